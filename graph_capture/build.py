@@ -1,0 +1,225 @@
+"""Build a TrainingGraph from AOTAutograd's joint graph.
+
+One TrainingGraph node per *allocation*: an op that creates new storage, together with every view
+and getitem that only aliases what it created (a view frees nothing and costs nothing; the storage
+lives while any alias of it is live). Views of parameters and inputs alias resident memory and are
+not nodes at all. A storage used by nothing is counted as the op's workspace.
+
+Before grouping, `native_dropout`'s output is split off its mask: `native_dropout` keeps producing
+the mask (random, never recomputed, 1 byte per element) and the output becomes `x * mask * scale`,
+the very arithmetic the CPU kernel performs (bit-identical), which can be recomputed freely. Without
+this the 4-byte output would be tied to the mask's lifetime.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.graph_capture.workspace import probe_workspaces
+
+__all__ = ["JointGraphInfo", "build_training_graph", "split_dropout_outputs", "BYTES_WEIGHT"]
+
+aten = torch.ops.aten
+
+# Cost model: FLOPs of matmul-like ops plus BYTES_WEIGHT FLOP-equivalents per byte read or written,
+# so memory-bound ops are not free (roughly a CPU's FLOP/s to memory-bandwidth ratio).
+BYTES_WEIGHT = 4.0
+VIEW_COST = 1.0  # a view launches nothing but is not entirely free
+
+
+@dataclass
+class JointGraphInfo:
+    """What the runtime needs to map a plan back onto the fx joint graph."""
+
+    gm: fx.GraphModule
+    num_fwd_outputs: int
+    groups: dict[str, list[fx.Node]]  # TrainingGraph node name -> its fx nodes, in graph order
+    resident_aliases: list[fx.Node]  # views of placeholders, emitted up front by the runtime
+    graph: TrainingGraph
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # tensors without storage (sparse, some subclasses): use the dense size
+        return t.numel() * t.element_size()
+
+
+def split_dropout_outputs(gm: fx.GraphModule) -> int:
+    """Rewrite getitem(native_dropout(x, p, True), 0) as mul(mul(x, mask), 1/(1-p)). Returns the
+    number of dropouts rewritten."""
+    g = gm.graph
+    count = 0
+    for nd in list(g.nodes):
+        if nd.target is not aten.native_dropout.default:
+            continue
+        x, p = nd.args[0], float(nd.args[1])
+        train = nd.args[2] if len(nd.args) > 2 else nd.kwargs.get("train")
+        if train is False or p <= 0.0 or p >= 1.0:
+            continue
+        outs = {u.args[1]: u for u in nd.users if u.target is operator.getitem}
+        if 0 not in outs or 1 not in outs:
+            continue
+        out, mask = outs[0], outs[1]
+        scale = 1.0 / (1.0 - p)
+        with g.inserting_after(mask):
+            m1 = g.call_function(aten.mul.Tensor, (x, mask))
+        with g.inserting_after(m1):
+            m2 = g.call_function(aten.mul.Tensor, (m1, scale))
+        xv, mv = x.meta["val"], mask.meta["val"]
+        # the final product takes over the output's fake value (its views alias that storage);
+        # the dropout's own, now unread, output and x * mask get fresh storages
+        with xv.fake_mode:
+            m1.meta = {**out.meta, "val": aten.mul.Tensor(xv, mv)}
+            nd.meta["val"] = (torch.empty_like(out.meta["val"]), mv)
+        m2.meta = dict(out.meta)
+        out.replace_all_uses_with(m2)
+        g.erase_node(out)
+        count += 1
+    if count:
+        g.lint()
+        gm.recompile()
+    return count
+
+
+def _is_backward(n: fx.Node) -> bool:
+    return n.meta.get("partitioner_tag") == "is_backward"
+
+
+def _flops(n: fx.Node) -> int:
+    packet = getattr(n.target, "overloadpacket", None)
+    if packet not in flop_registry:
+        return 0
+    args = fx.node.map_arg(n.args, lambda a: a.meta["val"])
+    kwargs = fx.node.map_arg(n.kwargs, lambda a: a.meta["val"])
+    try:
+        return int(flop_registry[packet](*args, **kwargs, out_val=n.meta["val"]))
+    except Exception:
+        return 0
+
+
+def _traffic_bytes(n: fx.Node) -> int:
+    read = sum(t.numel() * t.element_size() for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
+    written = sum(t.numel() * t.element_size() for t in _tensors(n.meta.get("val")))
+    return read + written
+
+
+def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "",
+                         probe: bool = True) -> JointGraphInfo:
+    """Group the (already dropout-split) joint graph into allocation nodes. With `probe`, each
+    op's internal workspace is measured on real tensors of the traced shapes (see workspace.py)."""
+    g = gm.graph
+    output_node = g.output_node()
+    out_args = list(output_node.args[0])
+    output_nodes = {a for a in out_args if isinstance(a, fx.Node)}
+
+    storage_owner: dict[StorageWeakRef, fx.Node] = {}  # storage -> fx node that allocated it
+    storage_bytes: dict[StorageWeakRef, int] = {}
+    resident: set[StorageWeakRef] = set()
+    group_of: dict[fx.Node, fx.Node] = {}  # fx node -> owning (allocating) fx node, or None if resident
+    resident_aliases: list[fx.Node] = []
+    resident_bytes = 0
+
+    for n in g.nodes:
+        if n.op == "placeholder":
+            for t in _tensors(n.meta.get("val")):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref not in resident:
+                    resident.add(ref)
+                    resident_bytes += _storage_bytes(t)
+            continue
+        if n.op != "call_function":
+            continue
+        refs = [StorageWeakRef(t.untyped_storage()) for t in _tensors(n.meta.get("val"))]
+        owners = set()
+        fresh = False
+        for ref, t in zip(refs, _tensors(n.meta.get("val"))):
+            if ref in resident:
+                owners.add(None)
+            elif ref in storage_owner:
+                owners.add(storage_owner[ref])
+            else:
+                storage_owner[ref] = n
+                storage_bytes[ref] = _storage_bytes(t)
+                fresh = True
+        if fresh or not refs:  # allocates (or produces no tensor: a tuple op, kept as its own group)
+            group_of[n] = n
+        elif owners == {None}:
+            resident_aliases.append(n)
+        elif len(owners) == 1:
+            group_of[n] = next(iter(owners))
+        else:  # aliases of several owners (e.g. a list of views); keep the first, conservatively
+            group_of[n] = next(o for o in owners if o is not None)
+
+    # Tuple-returning allocators: their getitems own no storage of their own; fold them in.
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in g.nodes:
+        if n in group_of:
+            groups.setdefault(group_of[n], []).append(n)
+
+    def group_key(fxn: fx.Node) -> fx.Node | None:
+        return group_of.get(fxn)
+
+    probed: dict[str, int] = {}
+    if probe:
+        devices = {t.device for n in g.nodes if n.op == "placeholder" for t in _tensors(n.meta.get("val"))}
+        if len(devices) == 1:
+            probed = probe_workspaces(gm, next(iter(devices)))
+
+    nodes: list[Node] = []
+    fx_groups: dict[str, list[fx.Node]] = {}
+    for owner, members in groups.items():
+        member_set = set(members)
+        inputs: list[str] = []
+        for m in members:
+            for a in m.all_input_nodes:
+                k = group_key(a)
+                if a in member_set or k is None or k is owner:
+                    continue
+                if k.name not in inputs:
+                    inputs.append(k.name)
+        # bytes of each storage this group allocated, split by whether anything outside reads it
+        out_b = kept_b = ws_b = 0
+        owned = [r for r, o in storage_owner.items() if o is owner]
+        for ref in owned:
+            aliases = [m for m in members if any(StorageWeakRef(t.untyped_storage()) == ref
+                                                 for t in _tensors(m.meta.get("val")))]
+            is_out = any(m in output_nodes for m in aliases)
+            read_outside = any(u not in member_set for m in aliases for u in m.users)
+            if is_out:
+                kept_b += storage_bytes[ref]
+            elif read_outside:
+                out_b += storage_bytes[ref]
+            else:
+                ws_b += storage_bytes[ref]
+        ws_b += max((probed.get(m.name, 0) for m in members), default=0)
+        flops = sum(_flops(m) for m in members)
+        cost = sum(VIEW_COST if m is not owner else flops_m + BYTES_WEIGHT * _traffic_bytes(m)
+                   for m, flops_m in ((m, _flops(m)) for m in members))
+        is_random = any(isinstance(m.target, torch._ops.OpOverload) and
+                        torch.Tag.nondeterministic_seeded in m.target.tags for m in members)
+        nodes.append(Node(name=owner.name, op=str(getattr(owner.target, "__name__", owner.target)),
+                          inputs=tuple(inputs), out_bytes=out_b, kept_bytes=kept_b,
+                          workspace_bytes=ws_b, cost=max(cost, VIEW_COST), flops=flops,
+                          is_backward=_is_backward(owner), is_random=is_random,
+                          module_path=owner.meta.get("remat_module_path", ""),
+                          members=tuple(m.name for m in members)))
+        fx_groups[owner.name] = members
+    tg = TrainingGraph(nodes=tuple(nodes), resident_bytes=resident_bytes, name=name,
+                       meta={"fx_nodes": sum(1 for _ in g.nodes), "num_fwd_outputs": num_fwd_outputs})
+    return JointGraphInfo(gm=gm, num_fwd_outputs=num_fwd_outputs, groups=fx_groups,
+                          resident_aliases=resident_aliases, graph=tg)

@@ -1,0 +1,134 @@
+"""TrainingGraph: the plain, frozen description of one training step that solvers see.
+
+No fx.Node and no tensor lives here: only names, edges, byte counts and costs, so a graph can be
+saved as JSON, built by hand in tests, and handed to any solver.
+
+Memory model (the simulator in `remat.solver.simulator` is its single judge):
+  * a node's value occupies `out_bytes` from the moment the node runs until the last read of that
+    computed instance (a recomputation makes a new instance);
+  * `kept_bytes` are graph outputs (the loss, parameter gradients): they stay live to the end;
+  * `workspace_bytes` are temporaries that exist only while the node runs;
+  * `resident_bytes` (parameters, buffers, inputs) are live throughout.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+__all__ = ["Node", "TrainingGraph"]
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: str  # aten op (or "group[k]" for a coarsened node), for reports
+    inputs: tuple[str, ...]  # names of the nodes whose values this node reads, each once
+    out_bytes: int  # bytes it allocates that are freed after the last read
+    kept_bytes: int = 0  # bytes of graph outputs it allocates: live to the end of the step
+    workspace_bytes: int = 0  # temporaries alive only while it runs
+    cost: float = 1.0  # compute cost in FLOP-equivalents; > 0 so no recomputation is free
+    flops: int = 0  # FLOPs as torch.utils.flop_counter counts them (matmul-like ops)
+    is_backward: bool = False  # part of the backward pass
+    is_random: bool = False  # draws random numbers: never recomputed
+    module_path: str = ""  # e.g. "h.0.attn", for readable reports
+    members: tuple[str, ...] = ()  # what it stands for: fx node names, or fine node names when coarse
+
+    @property
+    def recomputable(self) -> bool:
+        """Only deterministic forward values that are not step outputs may be computed twice."""
+        return not self.is_backward and not self.is_random and self.kept_bytes == 0
+
+
+@dataclass(frozen=True)
+class TrainingGraph:
+    nodes: tuple[Node, ...]  # a topological order: forward nodes first, then backward
+    resident_bytes: int  # parameters, buffers, inputs (and the loss tangent)
+    name: str = ""
+    meta: dict = field(default_factory=dict, compare=False, hash=False)  # free-form provenance
+
+    def __post_init__(self):
+        seen: set[str] = set()
+        for n in self.nodes:
+            if n.name in seen:
+                raise ValueError(f"duplicate node name {n.name!r}")
+            for i in n.inputs:
+                if i not in seen:
+                    raise ValueError(f"node {n.name!r} reads {i!r}, which is not an earlier node")
+            if n.cost <= 0:
+                raise ValueError(f"node {n.name!r} has cost {n.cost}; every node must cost > 0")
+            seen.add(n.name)
+
+    # ---- lookups -----------------------------------------------------------------------------
+    @cached_property
+    def index(self) -> dict[str, int]:
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def node(self, name: str) -> Node:
+        return self.nodes[self.index[name]]
+
+    @cached_property
+    def users(self) -> dict[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @cached_property
+    def edges(self) -> tuple[tuple[str, str], ...]:
+        return tuple((i, n.name) for n in self.nodes for i in n.inputs)
+
+    @property
+    def forward_nodes(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if not n.is_backward)
+
+    @property
+    def backward_nodes(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.is_backward)
+
+    @property
+    def total_cost(self) -> float:
+        return sum(n.cost for n in self.nodes)
+
+    @property
+    def total_flops(self) -> int:
+        return sum(n.flops for n in self.nodes)
+
+    def to_networkx(self):
+        import networkx as nx
+
+        g = nx.DiGraph()
+        g.add_nodes_from(n.name for n in self.nodes)
+        g.add_edges_from(self.edges)
+        return g
+
+    def fingerprint(self) -> str:
+        """A short hash of the structure, bytes and flags: a saved plan must match it to deploy."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for n in self.nodes:
+            h.update(f"{n.name}|{n.op}|{n.inputs}|{n.out_bytes}|{n.kept_bytes}|{n.workspace_bytes}|"
+                     f"{n.is_backward}|{n.is_random};".encode())
+        h.update(str(self.resident_bytes).encode())
+        return h.hexdigest()[:16]
+
+    # ---- (de)serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"name": self.name, "resident_bytes": self.resident_bytes, "meta": self.meta,
+                "nodes": [asdict(n) for n in self.nodes]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainingGraph":
+        nodes = tuple(Node(**{**n, "inputs": tuple(n["inputs"]), "members": tuple(n["members"])})
+                      for n in d["nodes"])
+        return cls(nodes=nodes, resident_bytes=d["resident_bytes"], name=d.get("name", ""),
+                   meta=d.get("meta", {}))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, s: str) -> "TrainingGraph":
+        return cls.from_dict(json.loads(s))

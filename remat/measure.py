@@ -1,0 +1,82 @@
+"""Measuring what a training step really does: peak memory and FLOPs."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["measure_peak", "resident_bytes", "count_flops"]
+
+
+def resident_bytes(things: Iterable) -> int:
+    """Bytes of the distinct storages of the given tensors and modules' parameters and buffers."""
+    seen: set[int] = set()
+    total = 0
+    for x in things:
+        tensors = list(x.parameters()) + list(x.buffers()) if isinstance(x, nn.Module) else [x]
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            if s.data_ptr() in seen:
+                continue
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str | torch.device | None = None) -> int:
+    """Peak bytes while `fn()` runs.
+
+    CUDA: `torch.cuda.max_memory_allocated` (everything the allocator holds, so what is already
+    on the device counts by itself). CPU: the bytes of `resident` (modules and tensors live before
+    the call, e.g. the model and its inputs) plus the highest running sum of the profiler's
+    allocation and free events during the call, i.e. live tensor bytes the way an allocator
+    without caching would count them."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        if e.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        live += e.nbytes()
+        peak = max(peak, live)
+    return resident_bytes(resident) + peak
+
+
+class _FlopCounter(TorchDispatchMode):
+    """Sums torch.utils.flop_counter's formulas over every op run (works where FlopCounterMode's
+    module hooks do not, e.g. inside AOTAutograd's compiled functions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        return out
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """Matmul-like FLOPs performed while `fn()` runs, forward and backward."""
+    with _FlopCounter() as c:
+        fn()
+    return c.flops

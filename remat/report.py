@@ -1,0 +1,126 @@
+"""Run a strategy for real and compare it with its plan: the numbers behind `remat demo` and
+`benchmarks/core.py`."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from remat.api import optimize
+from remat.measure import count_flops, measure_peak
+from remat.solver.plan import Plan
+
+__all__ = ["StrategyRow", "training_step", "run_strategy", "format_table", "reference_step"]
+
+MiB = 2**20
+
+
+@dataclass
+class StrategyRow:
+    strategy: str
+    budget_bytes: int | None
+    status: str
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    extra_cost_frac: float  # recomputation cost / cost of one plain step (cost model)
+    extra_flops_predicted: int
+    extra_flops_measured: int
+    solve_time_s: float
+    step_time_s: float
+    grads_match: bool | None  # loss and every gradient allclose to the unmodified model's
+    max_grad_err: float | None
+
+    @property
+    def measured_over_predicted(self) -> float:
+        return self.measured_peak_bytes / self.predicted_peak_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "measured_over_predicted": self.measured_over_predicted}
+
+
+def training_step(module: nn.Module, params: Sequence[torch.Tensor], inputs: Sequence) -> Callable[[], torch.Tensor]:
+    """One step: loss = module(*inputs); loss.backward(), starting with no gradients."""
+
+    def step():
+        loss = module(*inputs)
+        loss.backward()
+        return loss
+
+    def fresh():
+        for p in params:
+            p.grad = None
+
+    step.fresh = fresh  # type: ignore[attr-defined]
+    return step
+
+
+def reference_step(model: nn.Module, inputs: Sequence, seed: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The unmodified model's loss, gradients and FLOPs for `seed`."""
+    params = list(model.parameters())
+    step = training_step(model, params, inputs)
+    step.fresh()
+    torch.manual_seed(seed)
+    loss = step().detach().clone()
+    grads = [p.grad.detach().clone() for p in params]
+    step.fresh()
+    flops = count_flops(step)
+    step.fresh()
+    return loss, grads, flops
+
+
+def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes: int | None, *,
+                 reference: tuple[torch.Tensor, list[torch.Tensor], int] | None = None,
+                 plan: Plan | None = None, time_limit_s: float = 60.0, seed: int = 0,
+                 device: str | torch.device | None = None) -> StrategyRow:
+    """Optimize `model` with `strategy` under `budget_bytes` (None: no budget, keep_all only),
+    then measure a real step: peak memory, FLOPs, time and gradients against `reference`."""
+    t0 = time.perf_counter()
+    opt = optimize(model, budget_bytes=budget_bytes if budget_bytes is not None else 2**62,
+                   example_inputs=tuple(inputs), solver=strategy, time_limit_s=time_limit_s, plan=plan)
+    solve_wall = time.perf_counter() - t0
+    params = list(model.parameters())
+    step = training_step(opt, params, inputs)
+    step.fresh()
+    peak = measure_peak(step, resident=[model, *[x for x in inputs if isinstance(x, torch.Tensor)]], device=device)
+    step.fresh()
+    flops = count_flops(step)
+    step.fresh()
+    torch.manual_seed(seed)
+    t1 = time.perf_counter()
+    loss = step()
+    step_time = time.perf_counter() - t1
+    grads_ok, err = None, None
+    if reference is not None:
+        ref_loss, ref_grads, ref_flops = reference
+        pairs = [(loss.detach(), ref_loss)] + [(p.grad, g) for p, g in zip(params, ref_grads)]
+        grads_ok = all(a is not None and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
+        err = max(float((a - b).abs().max()) if a is not None else float("inf") for a, b in pairs)
+    else:
+        ref_flops = flops - opt.plan.extra_flops
+    step.fresh()
+    p = opt.plan
+    return StrategyRow(strategy=strategy, budget_bytes=budget_bytes, status=p.status,
+                       predicted_peak_bytes=p.predicted_peak_bytes, measured_peak_bytes=peak,
+                       extra_cost_frac=p.extra_cost / opt.graph.total_cost,
+                       extra_flops_predicted=p.extra_flops, extra_flops_measured=flops - ref_flops,
+                       solve_time_s=p.solve_time_s if plan is None else 0.0, step_time_s=step_time,
+                       grads_match=grads_ok, max_grad_err=err)
+
+
+def format_table(rows: Sequence[StrategyRow], keep_all_peak: int | None = None) -> str:
+    head = (f"{'strategy':<14} {'budget MiB':>10} {'status':<10} {'pred MiB':>9} {'meas MiB':>9} "
+            f"{'meas/pred':>9} {'meas/keep':>9} {'extra':>7} {'xFLOP pred':>11} {'xFLOP meas':>11} "
+            f"{'solve s':>8} {'grads':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        budget = "-" if r.budget_bytes is None else f"{r.budget_bytes / MiB:.1f}"
+        keep = "-" if not keep_all_peak else f"{r.measured_peak_bytes / keep_all_peak:.3f}"
+        grads = "-" if r.grads_match is None else ("ok" if r.grads_match else "DIFF")
+        lines.append(f"{r.strategy:<14} {budget:>10} {r.status:<10} {r.predicted_peak_bytes / MiB:>9.2f} "
+                     f"{r.measured_peak_bytes / MiB:>9.2f} {r.measured_over_predicted:>9.3f} {keep:>9} "
+                     f"{r.extra_cost_frac:>6.1%} {r.extra_flops_predicted / 1e9:>10.3f}G "
+                     f"{r.extra_flops_measured / 1e9:>10.3f}G {r.solve_time_s:>8.2f} {grads:>6}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Runtime: execute a Plan as a drop-in nn.Module."""

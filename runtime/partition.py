@@ -1,0 +1,77 @@
+"""Rewrite the joint graph so it executes a Plan, then split it into forward and backward.
+
+The plan's schedule is a flat list of TrainingGraph nodes; each expands to its fx nodes. We lay
+the fx nodes out in schedule order in a new joint graph, copying a node again where the schedule
+recomputes it, and every later reader takes the latest copy. The forward is every step up to the
+first computation of the last forward node; the rest is the backward. Forward values the backward
+reads become AOTAutograd's saved tensors. fx code drops each value after its last use, so the
+executed lifetimes are the simulator's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+from remat.graph_capture.build import JointGraphInfo
+from remat.solver.plan import Plan
+
+__all__ = ["scheduled_joint_graph", "partition_with_plan", "PlanMismatchError"]
+
+
+class PlanMismatchError(ValueError):
+    """The plan was made for a different training graph than the one traced now."""
+
+
+def _forward_boundary(info: JointGraphInfo, schedule: list[str]) -> int:
+    """Index of the last step of the forward pass."""
+    last_fwd = [n.name for n in info.graph.forward_nodes][-1]
+    return schedule.index(last_fwd)
+
+
+def scheduled_joint_graph(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The joint graph in schedule order, and the forward nodes the backward reads."""
+    if plan.graph_fingerprint and plan.graph_fingerprint != info.graph.fingerprint():
+        raise PlanMismatchError(
+            f"the plan was made for graph {plan.graph_fingerprint}, but this model traces to "
+            f"{info.graph.fingerprint()} (a different model, input shape or torch version); solve again")
+    old = info.gm.graph
+    new = fx.Graph()
+    latest: dict[fx.Node, fx.Node] = {}
+    is_bwd: dict[fx.Node, bool] = {}
+
+    def copy(n: fx.Node, backward: bool) -> None:
+        c = new.node_copy(n, lambda a: latest[a])
+        c.meta = dict(n.meta)
+        c.meta["partitioner_tag"] = "is_backward" if backward else "is_forward"
+        latest[n] = c
+        is_bwd[c] = backward
+
+    for n in old.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            copy(n, n.meta.get("partitioner_tag") == "is_backward")
+    for n in info.resident_aliases:  # views of parameters/inputs: free, emitted once up front
+        copy(n, any(is_bwd[latest[a]] for a in n.all_input_nodes))
+    boundary = _forward_boundary(info, plan.schedule)
+    for step, name in enumerate(plan.schedule):
+        for n in info.groups[name]:
+            copy(n, step > boundary)
+    out = old.output_node()
+    new_out = new.output(fx.node.map_arg(out.args[0], lambda a: latest[a]))
+    new_out.meta = dict(out.meta)
+    new.lint()
+    gm = fx.GraphModule(info.gm, new)
+    saved = []
+    for c in new.nodes:
+        if c.op == "output" or is_bwd.get(c, True):
+            continue
+        if any(is_bwd.get(u, False) for u in c.users):
+            saved.append(c)
+    return gm, saved
+
+
+def partition_with_plan(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule]:
+    gm, saved = scheduled_joint_graph(info, plan)
+    saved_tensors = [n for n in saved if isinstance(n.meta.get("val"), torch.Tensor)]
+    saved_syms = [n for n in saved if not isinstance(n.meta.get("val"), torch.Tensor)]
+    return _extract_fwd_bwd_modules(gm, saved_tensors, saved_syms, num_fwd_outputs=info.num_fwd_outputs)

@@ -1,0 +1,560 @@
+"""checkmate: Checkmate's MILP (Jain et al., MLSys 2020) over a coarsened graph, solved with PuLP.
+
+Variables, for stages t = 0..n-1 over the coarse nodes 0..n-1 in topological order:
+  R[t,i]      binary: node i is computed in stage t
+  S[t,i]      binary: i's value is kept in memory from stage t-1 into stage t
+  FREE[t,i,k] in [0,1]: i's value is freed right after node k runs in stage t. Declared
+              continuous: given binary R and S, its three upper bounds and one lower bound pin it
+              to 0 or 1, exactly as Checkmate's binary FREE, with far fewer integers for CBC.
+  U[t,k] >= 0: bytes of values in memory after node k runs in stage t (before frees at k)
+
+The model is shrunk before it is built: R[t,t] = 1 and nothing after t exists (frontier
+advancing); a node that may not be recomputed (backward, random, kept output) has R[t,i] only at
+t = i (a constant 1); R[t,i] exists only at stages where some reader of i may run; S[t,i] only
+where a later stage may read i, and S is a constant 1 where a non-recomputable value must wait for
+its non-recomputable reader; FREE only where R[t,k] may be 1, and not at the stage's last node
+(U after it is never read). Memory is counted in units of `unit` bytes: node bytes rounded up, the
+budget rounded down, so a feasible MILP point never exceeds the budget in bytes.
+
+After solving, the schedule is stage by stage, the R=1 nodes of a stage in topological order;
+recomputations nobody reads are dropped, then it is expanded to the fine graph, and the Plan is
+judged by the simulator on the FINE graph (its predicted peak is that simulator's number).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from remat.graph_capture.training_graph import TrainingGraph
+from remat.solver import equal_spacing
+from remat.solver.coarsen import coarsen, expand_schedule
+from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.schedule import keep_all_schedule, schedule_from_kept
+from remat.solver.simulator import simulate
+
+__all__ = ["solve", "min_feasible_budget", "DEFAULT_COARSEN_TO"]
+
+DEFAULT_COARSEN_TO = 90  # coarse nodes: ~100 solves in well under a minute with CBC on 2 cores
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+@dataclass
+class _Model:
+    g: TrainingGraph  # the (coarse) graph the MILP is over
+    unit: int  # bytes per memory unit
+    prob: object  # pulp.LpProblem
+    R: dict  # (t, i) -> LpVariable or 1 (constant); absent = 0
+    S: dict
+    FREE: dict  # (t, i, k) -> LpVariable
+    U: dict  # (t, k) -> LpVariable
+    stages: list  # stages[t] = nodes that may run in stage t, ascending
+    M: object = None  # peak variable when minimising the peak
+    rows: list = field(default_factory=list)  # (t, k, extra units, constant bytes) per budget row
+    counts: dict = field(default_factory=dict)
+
+
+def _is0(x) -> bool:
+    return isinstance(x, int) and x == 0
+
+
+def _bits(mask: int):
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _build(g: TrainingGraph, budget_bytes: int | None, unit: int, *, minimise_peak: bool = False,
+           tighten: bool = True) -> _Model:
+    import pulp
+
+    n = len(g.nodes)
+    idx = g.index
+    inputs = [tuple(idx[i] for i in v.inputs) for v in g.nodes]
+    users = [[] for _ in range(n)]
+    for k, ins in enumerate(inputs):
+        for i in ins:
+            users[i].append(k)
+    rec = [v.recomputable for v in g.nodes]
+    mem = [math.ceil(v.out_bytes / unit) for v in g.nodes]
+    # possible[v]: stages where v may be computed (its own, plus, if recomputable, any later stage
+    # where one of its readers may be computed)
+    possible = [0] * n
+    for v in range(n - 1, -1, -1):
+        possible[v] = 1 << v
+        if rec[v]:
+            for u in users[v]:
+                possible[v] |= possible[u]
+    lastread = [max((possible[u].bit_length() - 1 for u in users[i]), default=i) for i in range(n)]
+    # a non-recomputable i must stay in memory until its last non-recomputable reader has run
+    forced = [max((u for u in users[i] if not rec[u]), default=i) if not rec[i] else i
+              for i in range(n)]
+
+    prob = pulp.LpProblem("checkmate", pulp.LpMinimize)
+    R: dict = {}
+    S: dict = {}
+    for i in range(n):
+        for t in _bits(possible[i]):
+            R[t, i] = 1 if t == i else pulp.LpVariable(f"R_{t}_{i}", cat="Binary")
+        for t in range(i + 1, lastread[i] + 1):
+            S[t, i] = 1 if t <= forced[i] else pulp.LpVariable(f"S_{t}_{i}", cat="Binary")
+    S_at = [[] for _ in range(n + 1)]
+    for (t, i), s in S.items():
+        if mem[i]:
+            S_at[t].append((i, s))
+    stages = [[] for _ in range(n)]
+    for (t, i) in R:
+        stages[t].append(i)
+    for st in stages:
+        st.sort()
+
+    def val(d, key):
+        return d.get(key, 0)
+
+    cons = 0
+    # objective: min sum_t sum_i cost_i * R[t,i]; the constant first computations are left out, so
+    # the objective is the extra cost and a relative MIP gap is relative to it
+    if minimise_peak:
+        M = pulp.LpVariable("M", lowBound=0)
+        prob += M
+    else:
+        M = None
+        prob += pulp.lpSum(g.nodes[i].cost * r for (t, i), r in R.items() if not isinstance(r, int))
+
+    for t in range(n):
+        for k in stages[t]:
+            # dependencies: R[t,k] <= R[t,i] + S[t,i] for every edge (i,k)
+            for i in inputs[k]:
+                rhs = [x for x in (val(R, (t, i)), val(S, (t, i))) if not _is0(x)]
+                if any(isinstance(x, int) for x in rhs):
+                    continue  # a constant 1 on the right: always met
+                if not rhs:
+                    raise AssertionError(f"node {k} cannot read {i} in stage {t}")  # by construction
+                prob += R[t, k] <= pulp.lpSum(rhs), f"dep_{t}_{i}_{k}"
+                cons += 1
+    # keeping: S[t+1,i] <= S[t,i] + R[t,i]
+    for (t, i), s in S.items():
+        if isinstance(s, int):
+            continue
+        rhs = [x for x in (val(S, (t - 1, i)), val(R, (t - 1, i))) if not _is0(x)]
+        if any(isinstance(x, int) for x in rhs):
+            continue
+        prob += s <= pulp.lpSum(rhs), f"keep_{t}_{i}"
+        cons += 1
+
+    if tighten:
+        # dominance cuts (they remove only wasteful points, never an optimum):
+        # R[t,i] + S[t,i] <= 1 (never recompute a value already kept), and
+        # S[t,i] <= S[t+1,i] + sum_{j users of i} R[t,j] (keep only what is read or kept on)
+        for (t, i), s in S.items():
+            if isinstance(s, int):
+                continue
+            r = val(R, (t, i))
+            if not _is0(r):
+                prob += s + r <= 1, f"rs_{t}_{i}"
+                cons += 1
+            rhs = [x for x in [val(S, (t + 1, i))] + [val(R, (t, j)) for j in users[i]] if not _is0(x)]
+            if any(isinstance(x, int) for x in rhs):
+                continue
+            prob += s <= pulp.lpSum(rhs), f"use_{t}_{i}"
+            cons += 1
+
+    FREE: dict = {}
+    U: dict = {}
+    rows: list = []  # (t, k, workspace+kept units of k, constant bytes: resident + kept before t)
+    kept_before = 0
+    for t in range(n):
+        st = stages[t]
+        in_stage = set(st)
+        # U[t,k1] = sum_i mem_i S[t,i] + mem_k1 R[t,k1];
+        # U[t,k_{j+1}] = U[t,k_j] - sum_{i in inputs(k_j) + {k_j}} mem_i FREE[t,i,k_j] + mem R[t,k_{j+1}]
+        prev = None
+        for pos, k in enumerate(st):
+            u = pulp.LpVariable(f"U_{t}_{k}", lowBound=0)
+            U[t, k] = u
+            if prev is None:
+                expr = pulp.lpSum(mem[i] * s for i, s in S_at[t])
+            else:
+                kp = st[pos - 1]
+                frees = [mem[i] * FREE[t, i, kp] for i in set(inputs[kp]) | {kp} if (t, i, kp) in FREE]
+                expr = prev - pulp.lpSum(frees)
+            prob += u == expr + mem[k] * R[t, k], f"mem_{t}_{k}"
+            cons += 1
+            # budget: U[t,k] + (workspace_k + kept_k) R[t,k] <= budget - resident - kept before t
+            extra = math.ceil((g.nodes[k].workspace_bytes + g.nodes[k].kept_bytes) / unit)
+            rows.append((t, k, extra, kept_before + g.resident_bytes))
+            if minimise_peak:
+                prob += u + extra * R[t, k] + math.ceil((kept_before + g.resident_bytes) / unit) <= M, \
+                    f"peak_{t}_{k}"
+            else:
+                cap = (budget_bytes - g.resident_bytes - kept_before) // unit
+                prob += u + extra * R[t, k] <= cap, f"budget_{t}_{k}"
+            cons += 1
+            prev = u
+            if k == t:
+                break
+            # FREE[t,i,k] = R[t,k] (1 - S[t+1,i]) prod_{j users of i, j > k} (1 - R[t,j]):
+            # FREE <= R[t,k]; FREE <= 1 - S[t+1,i]; FREE <= 1 - R[t,j];
+            # FREE >= R[t,k] - S[t+1,i] - sum_j R[t,j]
+            for i in set(inputs[k]) | {k}:
+                if not mem[i]:
+                    continue
+                later = [j for j in users[i] if j > k and j in in_stage]
+                s_next = val(S, (t + 1, i))
+                hazards = [R[t, j] for j in later]
+                if any(isinstance(h, int) for h in hazards) or isinstance(s_next, int) and s_next:
+                    continue  # a constant 1 hazard: never freed here
+                f = pulp.LpVariable(f"FREE_{t}_{i}_{k}", lowBound=0, upBound=1)
+                FREE[t, i, k] = f
+                if not isinstance(R[t, k], int):
+                    prob += f <= R[t, k], f"fr_{t}_{i}_{k}"
+                    cons += 1
+                if not isinstance(s_next, int):
+                    prob += f <= 1 - s_next, f"fs_{t}_{i}_{k}"
+                    cons += 1
+                for j, h in zip(later, hazards):
+                    prob += f <= 1 - h, f"fu_{t}_{i}_{k}_{j}"
+                    cons += 1
+                prob += f >= R[t, k] - s_next - pulp.lpSum(hazards), f"fl_{t}_{i}_{k}"
+                cons += 1
+        kept_before += g.nodes[t].kept_bytes
+    counts = {"R": sum(not isinstance(r, int) for r in R.values()),
+              "S": sum(not isinstance(s, int) for s in S.values()), "FREE": len(FREE),
+              "U": len(U), "constraints": cons}
+    counts["binaries"] = counts["R"] + counts["S"]
+    return _Model(g=g, unit=unit, prob=prob, R=R, S=S, FREE=FREE, U=U, stages=stages, M=M,
+                  rows=rows, counts=counts)
+
+
+# ---- schedules <-> R/S ----------------------------------------------------------------------------
+
+def _stages_of(g: TrainingGraph, schedule: list[str]) -> list[list[int]] | None:
+    """Split a flat schedule into frontier-advancing stages (stage t ends with the first
+    computation of node t), each stage's nodes sorted in topological order; None if the first
+    computations are not in the graph's order or a stage computes a node twice."""
+    idx = g.index
+    stages: list[list[int]] = [[] for _ in g.nodes]
+    frontier = 0
+    cur: list[int] = []
+    seen: set[int] = set()
+    for name in schedule:
+        i = idx[name]
+        if i not in seen:
+            if i != frontier:
+                return None
+            seen.add(i)
+            cur.append(i)
+            if len(set(cur)) != len(cur):
+                return None
+            stages[frontier] = sorted(cur)
+            frontier += 1
+            cur = []
+        else:
+            cur.append(i)
+    return stages
+
+
+def _flat(g: TrainingGraph, stages: list[list[int]]) -> list[str]:
+    return [g.nodes[i].name for st in stages for i in st]
+
+
+def _prune(g: TrainingGraph, schedule: list[str]) -> list[str]:
+    """Drop recomputations whose instance nobody reads (each drop lowers cost and never raises the
+    peak), until none is left."""
+    sched = list(schedule)
+    while True:
+        drop = set()
+        pending: set[str] = set()  # names read later, before their next computation
+        first = {}
+        for s, name in enumerate(sched):
+            first.setdefault(name, s)
+        for s in range(len(sched) - 1, -1, -1):
+            name = sched[s]
+            if name not in pending and first[name] != s:
+                drop.add(s)
+                continue  # its reads are dropped with it
+            pending.discard(name)
+            pending.update(g.node(name).inputs)
+        if not drop:
+            return sched
+        sched = [x for s, x in enumerate(sched) if s not in drop]
+
+
+def _assign(model: _Model, stages: list[list[int]]) -> bool:
+    """Set the variables' initial values to the schedule `stages` (a warm start); False if the
+    schedule is not a point of the model (a variable that does not exist, or a budget row broken)."""
+    g, R, S = model.g, model.R, model.S
+    n = len(g.nodes)
+    idx = g.index
+    inputs = [tuple(idx[i] for i in v.inputs) for v in g.nodes]
+    Rv = {(t, i): 1 for t, st in enumerate(stages) for i in st}
+    reads = {(t, i) for t, st in enumerate(stages) for k in st for i in inputs[k]}
+    Sv = {}
+    for i in range(n):  # S[t,i]: the instance held at the start of t is read at t or later
+        need = 0
+        for t in range(n - 1, i, -1):
+            need = 0 if (t, i) in Rv else int((t, i) in reads or need)
+            if need:
+                Sv[t, i] = 1
+    for key in Rv:
+        if key not in R:
+            return False
+    for key in Sv:
+        if key not in S:
+            return False
+    for key, s in S.items():
+        if isinstance(s, int) and s and key not in Sv:
+            Sv[key] = 1  # a forced keep the schedule did not need: harmless, count it
+    values = {}
+    for key, r in R.items():
+        if not isinstance(r, int):
+            values[r] = Rv.get(key, 0)
+        elif key not in Rv:
+            return False
+    for key, s in S.items():
+        if not isinstance(s, int):
+            values[s] = Sv.get(key, 0)
+    for (t, i, k), f in model.FREE.items():
+        later = [j for j in g.users[g.nodes[i].name] if idx[j] > k and (t, idx[j]) in Rv]
+        values[f] = int((t, k) in Rv and not Sv.get((t + 1, i)) and not later)
+    mem = [math.ceil(v.out_bytes / model.unit) for v in g.nodes]
+    for t in range(n):
+        prev = None
+        for pos, k in enumerate(model.stages[t]):
+            if prev is None:
+                u = sum(mem[i] for (tt, i), s in Sv.items() if tt == t)
+            else:
+                kp = model.stages[t][pos - 1]
+                u = prev - sum(mem[i] * values[model.FREE[t, i, kp]] for i in set(inputs[kp]) | {kp}
+                               if (t, i, kp) in model.FREE)
+            u += mem[k] * Rv.get((t, k), 0)
+            values[model.U[t, k]] = u
+            prev = u
+    if model.M is not None:
+        values[model.M] = max(values[model.U[t, k]] + extra * Rv.get((t, k), 0)
+                              + math.ceil(const / model.unit) for t, k, extra, const in model.rows)
+    for v, x in values.items():
+        v.setInitialValue(x)
+    # every row must hold at the start point (pulp evaluates rows with the initial values)
+    for c in model.prob.constraints.values():
+        if not c.valid(eps=1e-6):
+            return False
+    return True
+
+
+# ---- solving -------------------------------------------------------------------------------------
+
+def _solver(backend: str, time_limit_s: float, mip_gap: float | None, threads: int | None,
+            warm: bool, log_path: str | None, msg: bool):
+    import pulp
+
+    if backend == "cbc":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, gapRel=mip_gap, threads=threads,
+                                     warmStart=warm, logPath=None if msg else log_path)
+    if backend == "highs":
+        try:
+            import highspy  # noqa: F401
+        except ImportError as e:
+            raise ImportError("backend='highs' needs the `highspy` package "
+                              "(pip install highspy, or remat[highs])") from e
+        return pulp.HiGHS(msg=msg, timeLimit=time_limit_s, gapRel=mip_gap, threads=threads)
+    raise ValueError(f"unknown backend {backend!r}; use 'cbc' or 'highs'")
+
+
+def _run(model: _Model, backend: str, time_limit_s: float, mip_gap: float | None,
+         threads: int | None, warm: bool, msg: bool) -> tuple[str, float | None, float | None]:
+    """Solve; return (status, gap, best bound) with status optimal / feasible / infeasible."""
+    import pulp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        solver = _solver(backend, time_limit_s, mip_gap, threads, warm, log_path, msg)
+        model.prob.solve(solver)
+        log = open(log_path).read() if os.path.exists(log_path) else ""
+    has = model.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if model.prob.status == pulp.LpStatusInfeasible or not has:
+        return "infeasible", None, None
+    bound = gap = None
+    if backend == "cbc":
+        m = re.search(r"Lower bound:\s+(-?[\d.e+-]+)", log)
+        if m:
+            bound = float(m.group(1))
+        m = re.search(r"Gap:\s+(-?[\d.e+-]+)", log)
+        if m:
+            gap = float(m.group(1))
+        proven = "Result - Optimal solution found" in log or not log
+    else:
+        info = model.prob.solverModel.getInfo()
+        bound = info.mip_dual_bound
+        gap = info.mip_gap
+        proven = model.prob.solverModel.getModelStatus().name == "kOptimal"
+    if model.prob.sol_status == pulp.LpSolutionOptimal and proven:
+        return "optimal", (gap if gap is not None else 0.0), bound
+    obj = pulp.value(model.prob.objective) or 0.0
+    if gap is None and bound is not None:
+        gap = (obj - bound) / max(abs(obj), 1e-12)
+    return "feasible", gap, bound
+
+
+def _milp_peak(model: _Model) -> int:
+    """The MILP's own peak: max over stages and running nodes of U + workspace + kept + constants."""
+    peak = 0
+    for t, k, extra, const in model.rows:
+        r = model.R[t, k]
+        if isinstance(r, int) or (r.varValue or 0) > 0.5:
+            peak = max(peak, round((model.U[t, k].varValue or 0) + extra) * model.unit + const)
+    return peak
+
+
+def _solution_stages(model: _Model) -> list[list[int]]:
+    out = [[] for _ in model.g.nodes]
+    for (t, i), r in model.R.items():
+        if isinstance(r, int) or (r.varValue or 0) > 0.5:
+            out[t].append(i)
+    for st in out:
+        st.sort()
+    return out
+
+
+def _baselines(fine: TrainingGraph, g: TrainingGraph, budget: int | None):
+    """Candidate coarse schedules (name, schedule): keep_all, equal spacing on the coarse graph
+    for every k, and the fine graph's equal-spacing kept sets mapped to their runs."""
+    out = [("keep_all", keep_all_schedule(g))]
+    cands = equal_spacing.checkpoint_candidates(g)
+    for k in range(1, len(cands) + 2):
+        out.append((f"equal_spacing(coarse k={k})", schedule_from_kept(g, cands[k - 1::k])))
+    if fine is not g:
+        owner = {m: v.name for v in g.nodes for m in v.members}
+        fc = equal_spacing.checkpoint_candidates(fine)
+        for k in range(1, len(fc) + 2):
+            kept = {owner[x] for x in fc[k - 1::k]}
+            out.append((f"equal_spacing(fine k={k})", schedule_from_kept(g, kept)))
+    return out
+
+
+def _unit(budget: int, g: TrainingGraph) -> int:
+    # memory units of ~budget / 2^20: node bytes are rounded up, so the MILP stays conservative
+    scale = max(budget, g.resident_bytes + sum(v.out_bytes + v.kept_bytes for v in g.nodes))
+    return max(1, scale >> 20)
+
+
+def _prepare(graph: TrainingGraph, coarsen_to: int | None) -> TrainingGraph:
+    if coarsen_to is None or len(graph.nodes) <= coarsen_to:
+        return graph
+    return coarsen(graph, coarsen_to)
+
+
+def _finish(graph, g, stages, *, strategy, budget, status, t0, gap, details) -> Plan:
+    coarse_sched = _prune(g, _flat(g, stages))
+    csim = simulate(g, coarse_sched)
+    fine_sched = _prune(graph, expand_schedule(g, coarse_sched)) if g is not graph else coarse_sched
+    details = {**details, "coarse_peak_bytes": csim.peak_bytes, "coarse_extra_cost": csim.extra_cost}
+    return plan_from_schedule(graph, fine_sched, strategy=strategy, budget_bytes=budget,
+                              status=status, solve_time_s=time.perf_counter() - t0, gap=gap,
+                              details=details)
+
+
+def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0,
+          backend: str = "cbc", coarsen_to: int | None = DEFAULT_COARSEN_TO,
+          warm_start: bool = True, mip_gap: float | None = 1e-4, threads: int | None = None,
+          msg: bool = False, **_: object) -> Plan:
+    """Checkmate's MILP under `budget_bytes` (the step's peak, resident memory included).
+
+    coarsen_to: coarse node count the MILP works on (None: the fine graph itself). Status
+    "optimal" (proven, within `mip_gap` of the extra cost), "feasible" (time limit hit with an
+    incumbent; plan.gap is the relative gap), or "infeasible" (proven, or no incumbent: the plan
+    then holds the lowest-peak baseline schedule, for information)."""
+    t0 = time.perf_counter()
+    threads = threads or min(os.cpu_count() or 1, 8)
+    g = _prepare(graph, coarsen_to)
+    unit = _unit(budget_bytes, g)
+    model = _build(g, budget_bytes, unit)
+    build_s = time.perf_counter() - t0
+    details = {"coarse_nodes": len(g.nodes), "fine_nodes": len(graph.nodes), "backend": backend,
+               "unit_bytes": unit, "variables": {k: v for k, v in model.counts.items()
+                                                 if k != "constraints"},
+               "constraints": model.counts["constraints"], "build_s": round(build_s, 3)}
+    # baselines on the coarse graph, in the MILP's own model: the cheapest fitting one warm-starts
+    best_base = lowest = None
+    for name, sched in _baselines(graph, g, budget_bytes):
+        stages = _stages_of(g, sched)
+        if stages is None:
+            continue
+        sim = simulate(g, _flat(g, stages))
+        if lowest is None or sim.peak_bytes < lowest[1].peak_bytes:
+            lowest = (name, sim, stages)
+        if sim.peak_bytes <= budget_bytes and (best_base is None or sim.extra_cost < best_base[1].extra_cost):
+            best_base = (name, sim, stages)
+    warm = False
+    if warm_start and best_base is not None and backend == "cbc":
+        warm = _assign(model, best_base[2])
+    if best_base is not None:
+        details["baseline"] = {"name": best_base[0], "extra_cost": best_base[1].extra_cost,
+                               "coarse_peak_bytes": best_base[1].peak_bytes, "warm_start": warm}
+    t1 = time.perf_counter()
+    status, gap, bound = _run(model, backend, max(1.0, time_limit_s - build_s), mip_gap, threads,
+                              warm, msg)
+    details["milp_s"] = round(time.perf_counter() - t1, 3)
+    if status == "infeasible":
+        details["reason"] = ("no incumbent within the time limit" if model.prob.status != -1
+                             else "proven infeasible")
+        if best_base is not None:
+            details["warning"] = f"baseline {best_base[0]} fits but the MILP returned no solution"
+        name, _, stages = lowest
+        details["schedule_source"] = name
+        return _finish(graph, g, stages, strategy="checkmate", budget=budget_bytes,
+                       status="infeasible", t0=t0, gap=None, details=details)
+    import pulp
+
+    stages = _solution_stages(model)
+    details["objective"] = pulp.value(model.prob.objective)
+    details["best_bound"] = bound
+    details["milp_peak_bytes"] = _milp_peak(model)
+    details["schedule_source"] = "milp"
+    plan = _finish(graph, g, stages, strategy="checkmate", budget=budget_bytes, status=status, t0=t0,
+                   gap=gap, details=details)
+    if best_base is not None:
+        base = _finish(graph, g, best_base[2], strategy="checkmate", budget=budget_bytes,
+                       status="feasible", t0=t0, gap=None, details={})
+        if base.extra_cost < plan.extra_cost - 1e-9 and base.fits:
+            plan.details["warning"] = (f"baseline {best_base[0]} (extra cost {base.extra_cost:g}) "
+                                       f"beats the MILP's incumbent ({plan.extra_cost:g})")
+    if not plan.fits:  # rounding in the solver; never expected, never hidden
+        plan.details["warning"] = "MILP solution overshoots the budget in the simulator"
+        plan.status = "infeasible"
+    return plan
+
+
+def min_feasible_budget(graph: TrainingGraph, *, time_limit_s: float = 60.0, backend: str = "cbc",
+                        coarsen_to: int | None = DEFAULT_COARSEN_TO, threads: int | None = None,
+                        return_plan: bool = False):
+    """The smallest peak any plan in the MILP's space reaches: minimise M >= every U[t,k] (plus
+    workspace, kept and resident bytes). Returns the FINE simulated peak of the plan found (with
+    coarsening that can be below the coarse model's peak, see the plan's details)."""
+    t0 = time.perf_counter()
+    threads = threads or min(os.cpu_count() or 1, 8)
+    g = _prepare(graph, coarsen_to)
+    total = g.resident_bytes + sum(v.out_bytes + v.kept_bytes + v.workspace_bytes for v in g.nodes)
+    unit = _unit(total, g)
+    model = _build(g, None, unit, minimise_peak=True)
+    warm = False
+    base = min(((n, s) for n, s in _baselines(graph, g, None)),
+               key=lambda ns: simulate(g, ns[1]).peak_bytes)
+    stages = _stages_of(g, base[1])
+    if backend == "cbc" and stages is not None:
+        warm = _assign(model, stages)
+    status, gap, _ = _run(model, backend, time_limit_s, None, threads, warm, False)
+    if status == "infeasible":
+        raise RuntimeError("min-peak MILP found no solution")
+    plan = _finish(graph, g, _solution_stages(model), strategy="checkmate", budget=None,
+                   status=status, t0=t0, gap=gap,
+                   details={"milp_peak_bytes": _milp_peak(model), "coarse_nodes": len(g.nodes)})
+    return (plan.predicted_peak_bytes, plan) if return_plan else plan.predicted_peak_bytes

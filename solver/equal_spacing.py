@@ -1,0 +1,51 @@
+"""equal_spacing: Chen et al.'s sqrt(n) checkpointing on the forward graph.
+
+Candidates are the articulation points of the (undirected) forward graph: values that separate
+the graph, such as the residual stream between blocks. Every k-th candidate is kept; everything
+else the backward needs is recomputed on demand from the nearest kept values. We try every k and
+return the cheapest plan that fits the budget (Chen's sqrt(n) is one of the k tried).
+"""
+from __future__ import annotations
+
+import time
+
+import networkx as nx
+
+from remat.graph_capture.training_graph import TrainingGraph
+from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.schedule import schedule_from_kept
+
+__all__ = ["solve", "checkpoint_candidates"]
+
+
+def checkpoint_candidates(graph: TrainingGraph) -> list[str]:
+    """Articulation points of the forward graph, in topological order."""
+    fwd = [n for n in graph.forward_nodes]
+    names = {n.name for n in fwd}
+    g = nx.Graph()
+    g.add_nodes_from(names)
+    g.add_edges_from((i, n.name) for n in fwd for i in n.inputs if i in names)
+    points = set(nx.articulation_points(g))
+    return [n.name for n in fwd if n.name in points and n.recomputable]
+
+
+def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) -> Plan:
+    t0 = time.perf_counter()
+    cands = checkpoint_candidates(graph)
+    best: Plan | None = None  # cheapest that fits
+    lowest: Plan | None = None  # lowest peak overall, reported when nothing fits
+    for k in range(1, len(cands) + 2):  # k = len+1 keeps no candidate at all
+        kept = cands[k - 1::k]
+        plan = plan_from_schedule(graph, schedule_from_kept(graph, kept), strategy="equal_spacing",
+                                  budget_bytes=budget_bytes, status="heuristic",
+                                  details={"k": k, "checkpoints": len(kept), "candidates": len(cands)})
+        if lowest is None or plan.predicted_peak_bytes < lowest.predicted_peak_bytes:
+            lowest = plan
+        if plan.fits and (best is None or plan.extra_cost < best.extra_cost):
+            best = plan
+    chosen = best if best is not None else lowest
+    assert chosen is not None
+    if best is None:
+        chosen.status = "infeasible"
+    chosen.solve_time_s = time.perf_counter() - t0
+    return chosen

@@ -1,0 +1,20 @@
+"""keep_all: no recomputation; every forward value the backward reads stays in memory."""
+from __future__ import annotations
+
+import time
+
+from remat.graph_capture.training_graph import TrainingGraph
+from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.schedule import keep_all_schedule
+
+__all__ = ["solve"]
+
+
+def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) -> Plan:
+    t0 = time.perf_counter()
+    plan = plan_from_schedule(graph, keep_all_schedule(graph), strategy="keep_all",
+                              budget_bytes=budget_bytes, status="heuristic")
+    plan.solve_time_s = time.perf_counter() - t0
+    if not plan.fits:
+        plan.status = "infeasible"
+    return plan

@@ -1,0 +1,43 @@
+"""Turn a choice of kept forward values into a full schedule (Checkmate's "given S, derive R").
+
+The forward runs once in topological order. A forward value that is not kept is still computed in
+the forward (later forward nodes read it) but is not read across the forward/backward boundary:
+when a backward node needs it, it is recomputed right before that node, together with any other
+dropped value the recomputation needs, and the recomputed instance is then read by every later
+backward node until its last use. Random nodes and step outputs are always kept.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from remat.graph_capture.training_graph import TrainingGraph
+
+__all__ = ["schedule_from_kept", "keep_all_schedule"]
+
+
+def keep_all_schedule(graph: TrainingGraph) -> list[str]:
+    """Every node once, in topological order: no recomputation."""
+    return [n.name for n in graph.nodes]
+
+
+def schedule_from_kept(graph: TrainingGraph, kept: Iterable[str]) -> list[str]:
+    kept = set(kept) | {n.name for n in graph.forward_nodes if not n.recomputable}
+    schedule = [n.name for n in graph.forward_nodes]
+    # forward values available in the backward: kept ones, plus recomputed instances
+    available = set(kept)
+
+    def ensure(name: str) -> None:
+        if name in available:
+            return
+        node = graph.node(name)
+        for i in node.inputs:
+            ensure(i)
+        schedule.append(name)
+        available.add(name)
+
+    for n in graph.backward_nodes:
+        for i in n.inputs:
+            if not graph.node(i).is_backward:
+                ensure(i)
+        schedule.append(n.name)
+    return schedule

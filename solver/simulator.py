@@ -1,0 +1,102 @@
+"""The simulator: the single judge of a plan.
+
+A schedule is a flat list of node names in execution order. The first occurrence of a name
+computes it; a later occurrence recomputes it, making a new instance. Every read goes to the
+latest instance. An instance is freed right after its last read (or right after it is computed
+when nothing reads it), exactly as fx-generated code drops a value after its last use.
+
+At the moment node v runs, memory is
+    resident + kept outputs so far + live instances + v.out_bytes + v.kept_bytes + v.workspace_bytes
+and the peak is the maximum of that over the schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.graph_capture.training_graph import TrainingGraph
+
+__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads"]
+
+
+class ScheduleError(ValueError):
+    """The schedule cannot run: a read of a value that was never computed, a node computed twice
+    that may not be, or a node of the graph that never runs."""
+
+
+@dataclass(frozen=True)
+class SimResult:
+    peak_bytes: int  # the step's peak, resident memory included
+    peak_step: int  # index into the schedule where the peak happens
+    total_cost: float  # sum of the costs of every step, recomputations included
+    extra_cost: float  # total_cost minus the cost of computing every node once
+    total_flops: int
+    extra_flops: int
+    recomputations: int  # steps that recompute a node
+    timeline: tuple[int, ...]  # memory at each step (while the step runs)
+
+
+def last_reads(graph: TrainingGraph, schedule: list[str]) -> list[list[str]]:
+    """For each step, the names whose current instance is read for the last time at that step
+    (including the step's own node when no later step reads this instance)."""
+    nodes = [graph.node(s) for s in schedule]
+    frees: list[list[str]] = [[] for _ in schedule]
+    pending: set[str] = set()  # names already read by a later step of the instance being tracked
+    # walk backwards: a read at step s is the last read of its instance if no later step read the
+    # same name before a later recomputation of it
+    for s in range(len(schedule) - 1, -1, -1):
+        v = nodes[s]
+        if v.name not in pending:
+            frees[s].append(v.name)  # this instance is never read
+        pending.discard(v.name)  # earlier instances are a different story
+        for i in v.inputs:
+            if i not in pending:
+                frees[s].append(i)
+                pending.add(i)
+    return frees
+
+
+def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
+    """Replay `schedule` over `graph`; raise ScheduleError if it cannot run."""
+    idx = graph.index
+    computed: set[str] = set()
+    unknown = [s for s in schedule if s not in idx]
+    if unknown:
+        raise ScheduleError(f"schedule names nodes not in the graph: {unknown[:5]}")
+    frees = last_reads(graph, schedule)
+    live: dict[str, int] = {}  # name -> bytes of its current instance
+    kept = 0
+    mem = graph.resident_bytes
+    peak, peak_step = mem, -1
+    timeline = []
+    total_cost, total_flops, recomputes = 0.0, 0, 0
+    for s, name in enumerate(schedule):
+        v = graph.nodes[idx[name]]
+        for i in v.inputs:
+            if i not in live:
+                raise ScheduleError(f"step {s} ({name}) reads {i}, which is not live "
+                                    f"({'freed' if i in computed else 'never computed'})")
+        if name in computed:
+            if not v.recomputable:
+                raise ScheduleError(f"step {s} recomputes {name}, which may not be recomputed")
+            recomputes += 1
+            if name in live:  # an older instance still pending reads would be shadowed
+                raise ScheduleError(f"step {s} recomputes {name} while its earlier instance is live")
+        now = mem + v.out_bytes + v.kept_bytes + v.workspace_bytes
+        timeline.append(now)
+        if now > peak:
+            peak, peak_step = now, s
+        mem += v.out_bytes + v.kept_bytes
+        kept += v.kept_bytes
+        live[name] = v.out_bytes
+        computed.add(name)
+        total_cost += v.cost
+        total_flops += v.flops
+        for f in frees[s]:
+            mem -= live.pop(f)
+    missing = [n.name for n in graph.nodes if n.name not in computed]
+    if missing:
+        raise ScheduleError(f"schedule never computes {len(missing)} node(s), e.g. {missing[:5]}")
+    return SimResult(peak_bytes=peak, peak_step=peak_step, total_cost=total_cost,
+                     extra_cost=total_cost - graph.total_cost, total_flops=total_flops,
+                     extra_flops=total_flops - graph.total_flops, recomputations=recomputes,
+                     timeline=tuple(timeline))
