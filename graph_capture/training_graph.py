@@ -104,12 +104,14 @@ class TrainingGraph:
         return g
 
     def fingerprint(self) -> str:
-        """A short hash of the structure, bytes and flags: a saved plan must match it to deploy."""
+        """A short hash of the structure, sizes and flags: a saved plan must match it to deploy.
+        Workspace bytes are measured on the machine and are left out, so a plan made on one
+        machine deploys on another (the runtime re-simulates it there)."""
         import hashlib
 
         h = hashlib.sha256()
         for n in self.nodes:
-            h.update(f"{n.name}|{n.op}|{n.inputs}|{n.out_bytes}|{n.kept_bytes}|{n.workspace_bytes}|"
+            h.update(f"{n.name}|{n.op}|{n.inputs}|{n.out_bytes}|{n.kept_bytes}|"
                      f"{n.is_backward}|{n.is_random};".encode())
         h.update(str(self.resident_bytes).encode())
         return h.hexdigest()[:16]

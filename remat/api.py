@@ -1,7 +1,6 @@
 """The public entry points: capture, plan, optimize."""
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +83,27 @@ def _smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float) -
     return get_solver(solver)(graph, 1).predicted_peak_bytes
 
 
+def _rejudge(plan: Plan, graph: TrainingGraph) -> Plan:
+    """A saved plan re-simulated on the graph traced here (workspaces are measured per machine)."""
+    import dataclasses
+    import warnings
+
+    from remat.runtime.partition import PlanMismatchError
+    from remat.solver.simulator import simulate
+
+    if plan.graph_fingerprint and plan.graph_fingerprint != graph.fingerprint():
+        raise PlanMismatchError(
+            f"the plan was made for graph {plan.graph_fingerprint}, but this model traces to "
+            f"{graph.fingerprint()} (a different model, input shape or torch version); solve again")
+    sim = simulate(graph, plan.schedule)
+    out = dataclasses.replace(plan, predicted_peak_bytes=sim.peak_bytes, total_cost=sim.total_cost,
+                              extra_cost=sim.extra_cost, extra_flops=sim.extra_flops)
+    if out.budget_bytes is not None and sim.peak_bytes > out.budget_bytes:
+        warnings.warn(f"on this machine the saved plan peaks at {sim.peak_bytes} bytes, over its budget "
+                      f"of {out.budget_bytes} bytes (op workspaces differ here); consider solving again")
+    return out
+
+
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
              solver: str = "checkmate", time_limit_s: float = 60.0, plan: Plan | None = None,
@@ -102,19 +122,14 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     holder: dict[str, Any] = {}
 
     def planned_partition(joint_gm, joint_inputs, *, num_fwd_outputs, **kw):
-        info = _joint_info(joint_gm, num_fwd_outputs, type(model).__name__)
-        chosen = plan
-        if chosen is None:
-            t0 = time.perf_counter()
-            try:
-                chosen = solve(info.graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
-            except InfeasibleBudgetError as e:
-                e._remat_passthrough = True  # not a tracing failure: let it through unchanged
-                raise
-            holder["solve_wall_s"] = time.perf_counter() - t0
         try:
+            info = _joint_info(joint_gm, num_fwd_outputs, type(model).__name__)
+            if plan is not None:  # a saved plan: judge it again on this machine's graph
+                chosen = _rejudge(plan, info.graph)
+            else:
+                chosen = solve(info.graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
             fw, bw = partition_with_plan(info, chosen)
-        except ValueError as e:
+        except Exception as e:  # planning errors are ours, not tracing failures: pass them through
             e._remat_passthrough = True
             raise
         holder["plan"], holder["graph"] = chosen, info.graph

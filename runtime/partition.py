@@ -43,13 +43,18 @@ def scheduled_joint_graph(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphMod
     def copy(n: fx.Node, backward: bool) -> None:
         c = new.node_copy(n, lambda a: latest[a])
         c.meta = dict(n.meta)
-        c.meta["partitioner_tag"] = "is_backward" if backward else "is_forward"
+        # strict placement: without it the extraction would also copy into the backward any
+        # forward node whose inputs happen to be saved, and fx keeps random ops even when unused
+        c.meta["partitioner_tag"] = "must_be_in_backward" if backward else "must_be_in_forward"
         latest[n] = c
         is_bwd[c] = backward
 
     for n in old.nodes:
         if n.op in ("placeholder", "get_attr"):
-            copy(n, n.meta.get("partitioner_tag") == "is_backward")
+            c = new.node_copy(n)
+            c.meta = dict(n.meta)
+            latest[n] = c
+            is_bwd[c] = n.meta.get("partitioner_tag") == "is_backward"
     for n in info.resident_aliases:  # views of parameters/inputs: free, emitted once up front
         copy(n, any(is_bwd[latest[a]] for a in n.all_input_nodes))
     boundary = _forward_boundary(info, plan.schedule)

@@ -120,6 +120,12 @@ def use_triton(t: torch.Tensor) -> bool:
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels (plain Python functions; decorated with triton.jit lazily in _get_kernels)
+#
+# Only Triton *builtins* are called inside the kernels (tl.full instead of tl.zeros, tl.reduce with
+# the standard combine functions instead of tl.max / tl.sum): the standard-library helpers are
+# @triton.jit functions decorated when triton is imported, so if triton was imported before
+# TRITON_INTERPRET=1 was set (torch imports it) they cannot run in the interpreter, while builtins
+# are patched by the interpreter at launch.  Compiled code is the same either way.
 # --------------------------------------------------------------------------------------------
 def _attn_fwd_kernel(
     Q, K, V, O, LSE,
@@ -157,8 +163,8 @@ def _attn_fwd_kernel(
     v_ptrs = v_base + offs_n0[:, None] * s_vn + offs_d[None, :] * s_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
     diag = SK - SQ  # key j visible to query i iff j <= i + diag (causal)
     if CAUSAL:
@@ -177,11 +183,11 @@ def _attn_fwd_kernel(
         else:
             mask = n_valid[None, :] & (offs_m[:, None] >= 0)
         s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: avoid inf - inf
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         acc = acc * alpha[:, None]
         v = tl.load(v_ptrs + start_n * s_vn, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
         if DOT_FP32:
@@ -220,7 +226,7 @@ def _attn_bwd_preprocess_kernel(
                 mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + b * s_dz + h * s_dh + start_m.to(tl.int64) * s_dm + rows * s_dm + offs_d[None, :] * s_dd,
                  mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, axis=1)
+    delta = tl.reduce(o * do, 1, tl.standard._sum_combine)
     tl.store(DELTA + pid_bh * SQ + offs_m, delta, mask=offs_m < SQ)
 
 
@@ -259,8 +265,8 @@ def _attn_bwd_dkdv_kernel(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
 
     diag = SK - SQ
     if CAUSAL:
@@ -347,7 +353,7 @@ def _attn_bwd_dq_kernel(
 
     kt_ptrs = K + b * s_kz + hk * s_kh + offs_n0[None, :] * s_kn + offs_d[:, None] * s_kd
     vt_ptrs = V + b * s_vz + hk * s_vh + offs_n0[None, :] * s_vn + offs_d[:, None] * s_vd
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
     diag = SK - SQ
     if CAUSAL:
@@ -503,10 +509,10 @@ def _triton_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float):
     dk = torch.empty((B, HKV, SK, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, HKV, SK, D), dtype=v.dtype, device=v.device)
     with _DeviceCtx(q):
-        bm = INTERPRET_BLOCKS["pre"] if interpret else 128
+        bm = INTERPRET_BLOCKS["pre"] if interpret else 64
         kern["pre"][(triton.cdiv(SQ, bm), B * H)](
             out, dout, delta, *out.stride(), *dout.stride(), H, SQ,
-            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=bm,
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=bm, **({} if interpret else {"num_warps": 4}),
         )
         if dlse is not None:
             # d lse_i / d s_ij = p_ij, so a gradient flowing into lse shifts delta by -dlse.
