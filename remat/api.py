@@ -36,15 +36,17 @@ def _joint_info(joint_gm, num_fwd_outputs: int, name: str) -> JointGraphInfo:
     return build_training_graph(joint_gm, num_fwd_outputs, name=name)
 
 
-def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None) -> TrainingGraph:
-    """Trace one training step of `model` (forward and backward, ATen level) into a TrainingGraph."""
+def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
+            fused_attention: bool = True) -> TrainingGraph:
+    """Trace one training step of `model` (forward and backward, ATen level) into a TrainingGraph.
+    `fused_attention`: trace eligible scaled_dot_product_attention calls as remat's flash op."""
     holder: dict[str, JointGraphInfo] = {}
 
     def record(joint_gm, joint_inputs, *, num_fwd_outputs, **kw):
         holder["info"] = _joint_info(joint_gm, num_fwd_outputs, type(model).__name__)
         return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
 
-    trace_training_step(model, _as_tuple(example_inputs), example_kwargs, record)
+    trace_training_step(model, _as_tuple(example_inputs), example_kwargs, record, fused_attention)
     return holder["info"].graph
 
 
@@ -107,13 +109,15 @@ def _rejudge(plan: Plan, graph: TrainingGraph) -> Plan:
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
              solver: str = "checkmate", time_limit_s: float = 60.0, plan: Plan | None = None,
-             **solver_kwargs) -> RematModule:
+             fused_attention: bool = True, **solver_kwargs) -> RematModule:
     """Return a drop-in module whose training step peaks under the budget.
 
     The budget is the real peak of one training step, forward and backward: parameters,
     buffers, inputs, activations, temporaries and the gradients produced so far (optimizer state
     and gradients kept from earlier steps are not part of the step; zero grads with
     set_to_none=True). Pass `plan=` (e.g. `Plan.load(path)`) to deploy a saved plan without solving.
+    With `fused_attention` (default), scaled_dot_product_attention calls without mask or dropout
+    run remat's flash-attention op (Triton on CUDA, PyTorch code on CPU).
     The model itself is not modified."""
     budget = _budget(budget_gb, budget_bytes)
     if budget is None and plan is None:
@@ -135,5 +139,5 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
         holder["plan"], holder["graph"] = chosen, info.graph
         return fw, bw
 
-    compiled, sig = trace_training_step(model, args, example_kwargs, planned_partition)
+    compiled, sig = trace_training_step(model, args, example_kwargs, planned_partition, fused_attention)
     return RematModule(model, compiled, sig, holder["plan"], holder["graph"])

@@ -23,7 +23,9 @@ class GPTConfig:
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads per block
     n_embd: int = 128  # residual stream width
-    dropout: float = 0.1  # dropout after attention probs, projections and the MLP
+    dropout: float = 0.1  # dropout after the embeddings, the projections and the MLP
+    attn_dropout: float | None = None  # dropout on the attention probs (None: same as dropout)
+    attention: str = "explicit"  # "explicit": softmax(QK^T * scale)V; "sdpa": F.scaled_dot_product_attention
     batch_size: int = 8  # batch of the example inputs
 
 
@@ -31,9 +33,11 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.fused = cfg.attention == "sdpa"  # remat routes SDPA to its flash-attention op
+        self.attn_p = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.attn_dropout = nn.Dropout(cfg.dropout)
+        self.attn_dropout = nn.Dropout(self.attn_p)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
         self.register_buffer("causal_mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
@@ -44,12 +48,16 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
-        # explicit softmax(QK^T * scale)V: the s x s scores are what checkpointing is about
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-        att = att.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf"))
-        att = F.softmax(att, dim=-1)
-        att = self.attn_dropout(att)
-        y = att @ v  # (B, nh, T, hd)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_p if self.training else 0.0,
+                                               is_causal=True)  # (B, nh, T, hd)
+        else:
+            # explicit softmax(QK^T * scale)V: its s x s scores are what checkpointing is about
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+            att = att.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

@@ -531,7 +531,16 @@ def _triton_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float):
 # --------------------------------------------------------------------------------------------
 # PyTorch reference (the CPU / no-Triton path): same outputs, same saved tensors
 # --------------------------------------------------------------------------------------------
-_REF_CHUNK = 1024  # query rows per chunk: peak extra memory is B*Hq*chunk*Sk scores
+_REF_CHUNK = None  # query rows per chunk (None: adaptive, see _chunk_rows)
+
+
+def _chunk_rows(sq: int, sk: int, d: int) -> int:
+    """Query rows per chunk of the PyTorch path. Adaptive: a chunk's scores (rows x Sk) hold
+    about as many elements as q itself (Sq x D), so the path's temporaries grow linearly in
+    the sequence length, as the kernel's do, and the CPU graph's memory matches the GPU's."""
+    if _REF_CHUNK is not None:
+        return _REF_CHUNK
+    return max(16, min(sq, (sq * d) // max(sk, 1)))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -561,8 +570,9 @@ def reference_attention_forward(q, k, v, causal: bool, scale: float):
     lse = torch.empty((B, H, SQ), dtype=_lse_dtype(q.dtype), device=q.device)
     out5 = out.view(B, HKV, G, SQ, D)
     lse4 = lse.view(B, HKV, G, SQ)
-    for i0 in range(0, SQ, _REF_CHUNK):
-        i1 = min(SQ, i0 + _REF_CHUNK)
+    chunk = _chunk_rows(SQ, SK, D)
+    for i0 in range(0, SQ, chunk):
+        i1 = min(SQ, i0 + chunk)
         s = torch.matmul(qf[..., i0:i1, :], kf.transpose(-1, -2)) * scale  # (B,HKV,G,c,SK)
         if causal:
             s = s.masked_fill(~_causal_mask(i0, i1, SQ, SK, q.device), float("-inf"))
@@ -593,8 +603,9 @@ def reference_attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, sc
     dq5 = dq.view(B, HKV, G, SQ, D)
     dk = torch.zeros((B, HKV, SK, D), dtype=acc, device=q.device)
     dv = torch.zeros((B, HKV, SK, D), dtype=acc, device=q.device)
-    for i0 in range(0, SQ, _REF_CHUNK):
-        i1 = min(SQ, i0 + _REF_CHUNK)
+    chunk = _chunk_rows(SQ, SK, D)
+    for i0 in range(0, SQ, chunk):
+        i1 = min(SQ, i0 + chunk)
         qc, doc = qf[..., i0:i1, :], dof[..., i0:i1, :]
         s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
         if causal:
