@@ -34,12 +34,14 @@ from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver import equal_spacing
 from remat.solver.coarsen import coarsen, expand_schedule
 from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.refine import drop_recomputations
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
 from remat.solver.simulator import simulate
 
 __all__ = ["solve", "min_feasible_budget", "DEFAULT_COARSEN_TO"]
 
-DEFAULT_COARSEN_TO = 90  # coarse nodes: ~100 solves in well under a minute with CBC on 2 cores
+DEFAULT_COARSEN_TO = 90
+POLISH_RESERVE_S = 3.0  # seconds of the time limit kept for _polish  # coarse nodes: ~100 solves in well under a minute with CBC on 2 cores
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -260,6 +262,27 @@ def _stages_of(g: TrainingGraph, schedule: list[str]) -> list[list[int]] | None:
     return stages
 
 
+def _normalise(g: TrainingGraph, stages: list[list[int]]) -> list[list[int]]:
+    """Move each recomputation that no node of its own stage reads to the next stage (the model
+    only has R[t,i] where a reader of i may run in stage t), until none is left."""
+    idx = g.index
+    users = [[idx[u] for u in g.users[v.name]] for v in g.nodes]
+    stages = [list(st) for st in stages]
+    for t in range(len(stages)):
+        changed = True
+        while changed:
+            changed = False
+            here = set(stages[t])
+            for i in sorted(stages[t], reverse=True):
+                if i != t and not any(u in here for u in users[i]):
+                    stages[t].remove(i)
+                    here.discard(i)
+                    if t + 1 < len(stages) and i not in stages[t + 1]:
+                        stages[t + 1] = sorted(stages[t + 1] + [i])
+                    changed = True
+    return stages
+
+
 def _flat(g: TrainingGraph, stages: list[list[int]]) -> list[str]:
     return [g.nodes[i].name for st in stages for i in st]
 
@@ -393,9 +416,11 @@ def _run(model: _Model, backend: str, time_limit_s: float, mip_gap: float | None
         proven = "Result - Optimal solution found" in log or not log
     else:
         info = model.prob.solverModel.getInfo()
+        if info.primal_solution_status == 0:  # pulp maps a time limit to "feasible" regardless
+            return "infeasible", None, None
         bound = info.mip_dual_bound
         gap = info.mip_gap
-        proven = model.prob.solverModel.getModelStatus().name == "kOptimal"
+        proven = model.prob.solverModel.getModelStatus() == __import__("highspy").HighsModelStatus.kOptimal
     if model.prob.sol_status == pulp.LpSolutionOptimal and proven:
         return "optimal", (gap if gap is not None else 0.0), bound
     obj = pulp.value(model.prob.objective) or 0.0
@@ -457,21 +482,45 @@ def _finish(graph, g, stages, *, strategy, budget, status, t0, gap, details) -> 
     csim = simulate(g, coarse_sched)
     fine_sched = _prune(graph, expand_schedule(g, coarse_sched)) if g is not graph else coarse_sched
     details = {**details, "coarse_peak_bytes": csim.peak_bytes, "coarse_extra_cost": csim.extra_cost}
-    return plan_from_schedule(graph, fine_sched, strategy=strategy, budget_bytes=budget,
+    plan = plan_from_schedule(graph, fine_sched, strategy=strategy, budget_bytes=budget,
                               status=status, solve_time_s=time.perf_counter() - t0, gap=gap,
                               details=details)
+    plan._coarse_schedule = coarse_sched  # not serialised: lets a finer solve warm-start from it
+    return plan
+
+
+def _refine(coarser: TrainingGraph, g: TrainingGraph, schedule: list[str]) -> list[str] | None:
+    """A schedule over `coarser` rewritten over `g` when every node of `coarser` is a union of
+    consecutive nodes of `g` (the greedy merge is hierarchical, so a smaller target coarsens
+    further); None otherwise."""
+    start = {v.members[0]: k for k, v in enumerate(g.nodes)}
+    parts = {}
+    for v in coarser.nodes:
+        k = start.get(v.members[0])
+        names, m = [], 0
+        while k is not None and k < len(g.nodes) and m < len(v.members):
+            if g.nodes[k].members != v.members[m:m + len(g.nodes[k].members)]:
+                return None
+            names.append(g.nodes[k].name)
+            m += len(g.nodes[k].members)
+            k += 1
+        if m != len(v.members):
+            return None
+        parts[v.name] = names
+    return [x for name in schedule for x in parts[name]]
 
 
 def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0,
           backend: str = "cbc", coarsen_to: int | None = DEFAULT_COARSEN_TO,
           warm_start: bool = True, mip_gap: float | None = 1e-4, threads: int | None = None,
-          msg: bool = False, **_: object) -> Plan:
+          msg: bool = False, presolve: bool = True, **_: object) -> Plan:
     """Checkmate's MILP under `budget_bytes` (the step's peak, resident memory included).
 
     coarsen_to: coarse node count the MILP works on (None: the fine graph itself). Status
     "optimal" (proven, within `mip_gap` of the extra cost), "feasible" (time limit hit with an
     incumbent; plan.gap is the relative gap), or "infeasible" (proven, or no incumbent: the plan
-    then holds the lowest-peak baseline schedule, for information)."""
+    then holds the lowest-peak baseline schedule, for information). presolve: with CBC on 60+
+    coarse nodes, first spend a quarter of the time on a coarser MILP to warm-start this one."""
     t0 = time.perf_counter()
     threads = threads or min(os.cpu_count() or 1, 8)
     g = _prepare(graph, coarsen_to)
@@ -482,10 +531,26 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0
                "unit_bytes": unit, "variables": {k: v for k, v in model.counts.items()
                                                  if k != "constraints"},
                "constraints": model.counts["constraints"], "build_s": round(build_s, 3)}
-    # baselines on the coarse graph, in the MILP's own model: the cheapest fitting one warm-starts
+    # baselines on the coarse graph, in the MILP's own model: the cheapest fitting one warm-starts.
+    # With CBC on a large coarse graph, a quick MILP on a coarser graph is one more candidate
+    # (CBC's own incumbents are weak there; HiGHS does not need it)
+    cands = _baselines(graph, g, budget_bytes)
+    if (presolve and backend == "cbc" and warm_start and g is not graph and len(g.nodes) >= 60):
+        sub = solve(graph, budget_bytes, time_limit_s=time_limit_s * 0.25, backend=backend,
+                    coarsen_to=int(len(g.nodes) * 0.65), warm_start=True, mip_gap=mip_gap,
+                    threads=threads, presolve=False)
+        details["presolve"] = {"coarse_nodes": sub.details["coarse_nodes"], "status": sub.status,
+                               "extra_cost": sub.extra_cost, "s": round(sub.solve_time_s, 3)}
+        if sub.status != "infeasible" and hasattr(sub, "_coarse_schedule"):
+            coarser = _prepare(graph, sub.details["coarse_nodes"])
+            refined = _refine(coarser, g, sub._coarse_schedule)
+            if refined is not None:
+                cands.append((f"milp(coarse {len(coarser.nodes)})", refined))
     best_base = lowest = None
-    for name, sched in _baselines(graph, g, budget_bytes):
-        stages = _stages_of(g, sched)
+    for name, sched in cands:
+        stages = _stages_of(g, _prune(g, sched))
+        if stages is not None:
+            stages = _normalise(g, stages)
         if stages is None:
             continue
         sim = simulate(g, _flat(g, stages))
@@ -499,15 +564,33 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0
     if best_base is not None:
         details["baseline"] = {"name": best_base[0], "extra_cost": best_base[1].extra_cost,
                                "coarse_peak_bytes": best_base[1].peak_bytes, "warm_start": warm}
+    es = equal_spacing.solve(graph, budget_bytes)  # the fine graph's baseline, for the record
+    details["equal_spacing"] = {"fits": es.fits, "extra_cost": es.extra_cost,
+                                "peak_bytes": es.predicted_peak_bytes, "k": es.details.get("k")}
     t1 = time.perf_counter()
-    status, gap, bound = _run(model, backend, max(1.0, time_limit_s - build_s), mip_gap, threads,
-                              warm, msg)
+    # leave a few seconds of the time limit for the fine-level refinement and bookkeeping
+    left = max(1.0, time_limit_s - (t1 - t0) - POLISH_RESERVE_S)
+    status, gap, bound = _run(model, backend, left, mip_gap, threads, warm, msg)
     details["milp_s"] = round(time.perf_counter() - t1, 3)
     if status == "infeasible":
-        details["reason"] = ("no incumbent within the time limit" if model.prob.status != -1
-                             else "proven infeasible")
-        if best_base is not None:
-            details["warning"] = f"baseline {best_base[0]} fits but the MILP returned no solution"
+        details["reason"] = ("proven infeasible" if model.prob.status == -1
+                             else "no incumbent within the time limit")
+        if g is not graph and details["reason"] == "proven infeasible":
+            # the coarse model is conservative: its lowest peak may still fit in the fine graph
+            left = max(1.0, time_limit_s - (time.perf_counter() - t0))
+            mp = _min_peak(graph, g, backend, left, threads)
+            if mp is not None and mp.predicted_peak_bytes <= budget_bytes:
+                details["warning"] = ("the coarse MILP is infeasible under this budget; returning "
+                                      "its lowest-peak plan, which fits in the fine graph")
+                details["schedule_source"] = "min_peak_milp"
+                details.update({k: mp.details[k] for k in ("coarse_peak_bytes", "milp_peak_bytes")})
+                mp.status, mp.budget_bytes, mp.gap = "feasible", budget_bytes, None
+                mp.details = {**details, "coarse_extra_cost": mp.details["coarse_extra_cost"]}
+                mp.solve_time_s = time.perf_counter() - t0
+                return mp
+        if es.fits:
+            details["warning"] = (f"equal_spacing (k={es.details.get('k')}) fits this budget but "
+                                  f"the MILP returned no plan")
         name, _, stages = lowest
         details["schedule_source"] = name
         return _finish(graph, g, stages, strategy="checkmate", budget=budget_bytes,
@@ -521,40 +604,69 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0
     details["schedule_source"] = "milp"
     plan = _finish(graph, g, stages, strategy="checkmate", budget=budget_bytes, status=status, t0=t0,
                    gap=gap, details=details)
-    if best_base is not None:
-        base = _finish(graph, g, best_base[2], strategy="checkmate", budget=budget_bytes,
-                       status="feasible", t0=t0, gap=None, details={})
-        if base.extra_cost < plan.extra_cost - 1e-9 and base.fits:
-            plan.details["warning"] = (f"baseline {best_base[0]} (extra cost {base.extra_cost:g}) "
-                                       f"beats the MILP's incumbent ({plan.extra_cost:g})")
+    if es.fits and es.extra_cost < plan.extra_cost - 1e-9:
+        plan.details["warning"] = (f"equal_spacing (k={es.details.get('k')}, extra cost "
+                                   f"{es.extra_cost:g}) beats this plan ({plan.extra_cost:g}): "
+                                   "the time limit or the coarsening cost the MILP")
     if not plan.fits:  # rounding in the solver; never expected, never hidden
         plan.details["warning"] = "MILP solution overshoots the budget in the simulator"
         plan.status = "infeasible"
-    return plan
+        return plan
+    return _polish(graph, plan, es, budget_bytes, t0)
 
 
-def min_feasible_budget(graph: TrainingGraph, *, time_limit_s: float = 60.0, backend: str = "cbc",
-                        coarsen_to: int | None = DEFAULT_COARSEN_TO, threads: int | None = None,
-                        return_plan: bool = False):
-    """The smallest peak any plan in the MILP's space reaches: minimise M >= every U[t,k] (plus
-    workspace, kept and resident bytes). Returns the FINE simulated peak of the plan found (with
-    coarsening that can be below the coarse model's peak, see the plan's details)."""
+def _polish(graph: TrainingGraph, plan: Plan, es: Plan, budget_bytes: int, t0: float) -> Plan:
+    """Spend the slack the coarse model leaves: drop, on the fine graph, every recomputation the
+    budget does not need (solver/refine.py), starting from the MILP's plan and, as a second
+    candidate, from equal_spacing's; keep the cheaper. The MILP's own numbers stay in details."""
+    cands = [("milp", drop_recomputations(graph, plan.schedule, budget_bytes))]
+    if es.fits:
+        cands.append(("equal_spacing", drop_recomputations(graph, es.schedule, budget_bytes)))
+    judged = [(name, sched, simulate(graph, sched)) for name, sched in cands]
+    name, sched, sim = min(judged, key=lambda c: (c[2].extra_cost, c[2].peak_bytes))
+    details = {**plan.details, "milp_plan": {"extra_cost": plan.extra_cost,
+                                             "peak_bytes": plan.predicted_peak_bytes},
+               "refined": {n: {"extra_cost": r.extra_cost, "peak_bytes": r.peak_bytes} for n, _, r in judged},
+               "refined_from": name}
+    out = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=budget_bytes,
+                             status=plan.status, solve_time_s=time.perf_counter() - t0, gap=plan.gap,
+                             details=details)
+    out._coarse_schedule = getattr(plan, "_coarse_schedule", None)
+    return out
+
+
+def _min_peak(graph: TrainingGraph, g: TrainingGraph, backend: str, time_limit_s: float,
+              threads: int | None) -> Plan | None:
+    """Minimise M >= U[t,k] + workspace + kept + resident over the MILP's space (no budget)."""
     t0 = time.perf_counter()
-    threads = threads or min(os.cpu_count() or 1, 8)
-    g = _prepare(graph, coarsen_to)
-    total = g.resident_bytes + sum(v.out_bytes + v.kept_bytes + v.workspace_bytes for v in g.nodes)
+    total = g.resident_bytes + sum(v.out_bytes + v.kept_bytes + max(v.workspace_bytes, 0)
+                                   for v in g.nodes)
     unit = _unit(total, g)
     model = _build(g, None, unit, minimise_peak=True)
     warm = False
-    base = min(((n, s) for n, s in _baselines(graph, g, None)),
-               key=lambda ns: simulate(g, ns[1]).peak_bytes)
+    base = min(_baselines(graph, g, None), key=lambda ns: simulate(g, ns[1]).peak_bytes)
     stages = _stages_of(g, base[1])
     if backend == "cbc" and stages is not None:
         warm = _assign(model, stages)
     status, gap, _ = _run(model, backend, time_limit_s, None, threads, warm, False)
     if status == "infeasible":
-        raise RuntimeError("min-peak MILP found no solution")
-    plan = _finish(graph, g, _solution_stages(model), strategy="checkmate", budget=None,
+        return None
+    return _finish(graph, g, _solution_stages(model), strategy="checkmate", budget=None,
                    status=status, t0=t0, gap=gap,
                    details={"milp_peak_bytes": _milp_peak(model), "coarse_nodes": len(g.nodes)})
+
+
+def min_feasible_budget(graph: TrainingGraph, *, time_limit_s: float = 60.0, backend: str = "cbc",
+                        coarsen_to: int | None = DEFAULT_COARSEN_TO, threads: int | None = None,
+                        return_plan: bool = False):
+    """The smallest budget for which a plan was found: solve the MILP minimising the peak (a
+    variable M >= U[t,k] + workspace + kept + resident for every t, k) and return the FINE
+    simulated peak of that plan (with coarsening it can be below the coarse model's own peak,
+    which is in plan.details; `solve` at this budget falls back to this same min-peak plan when its
+    coarse MILP is infeasible). Raises RuntimeError if the MILP finds no plan in time."""
+    threads = threads or min(os.cpu_count() or 1, 8)
+    g = _prepare(graph, coarsen_to)
+    plan = _min_peak(graph, g, backend, time_limit_s, threads)
+    if plan is None:
+        raise RuntimeError("the min-peak MILP found no plan within the time limit")
     return (plan.predicted_peak_bytes, plan) if return_plan else plan.predicted_peak_bytes

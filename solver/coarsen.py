@@ -10,7 +10,11 @@ nodes. A coarse node is a TrainingGraph Node:
   kept_bytes      sum of members' kept_bytes
   workspace_bytes (peak of the run's own allocations while its members run, each member's
                   out + kept + workspace included, members freed after their last in-run read
-                  unless read outside) - out_bytes - kept_bytes
+                  unless read outside, minus the inputs already freed that die inside the run)
+                  - out_bytes - kept_bytes. It can be negative: an input whose readers are all
+                  never recomputed and whose last reader is a member is freed mid-run in every
+                  schedule (the backward frees saved activations as it goes), and the run's step
+                  is charged with what is left.
   cost, flops     sums; is_random: any member random; is_backward: the members'; members: names
 
 So a run is recomputable only if every member is. Guarantee (tested): for any coarse schedule,
@@ -71,16 +75,26 @@ def group_node(graph: TrainingGraph, lo: int, hi: int, name: str | None = None) 
                 last_in[i] = pos
     out = sum(n.out_bytes for n in nodes if n.name in read_outside)
     kept = sum(n.kept_bytes for n in nodes)
-    own, peak = 0, 0
+    # inputs that die inside the run in every schedule: all their readers are never recomputed and
+    # the last one is a member; the fine schedule frees them mid-run, so the run's workspace may be
+    # credited with them (it can then be negative: the step's memory is still >= the fine one's)
+    dying = {x: max(idx[u] for u in users[x]) - lo for x in ext_inputs
+             if all(not graph.nodes[idx[u]].recomputable for u in users[x])
+             and max(idx[u] for u in users[x]) < hi}
+    own, peak = 0, None
     for pos, n in enumerate(nodes):
-        peak = max(peak, own + n.out_bytes + n.kept_bytes + n.workspace_bytes)
+        now = own + n.out_bytes + n.kept_bytes + n.workspace_bytes
+        peak = now if peak is None else max(peak, now)
         own += n.out_bytes + n.kept_bytes
+        for x in set(n.inputs):
+            if dying.get(x) == pos:
+                own -= graph.nodes[idx[x]].out_bytes
         for i in set(n.inputs):  # inputs read here for the last time inside the run
             if i in inside and i not in read_outside and last_in[i] == pos:
                 own -= graph.nodes[idx[i]].out_bytes
         if n.name not in read_outside and n.name not in last_in:  # never read: freed at once
             own -= n.out_bytes
-    assert peak >= out + kept
+    assert peak >= out + kept - sum(graph.nodes[idx[x]].out_bytes for x in dying)
     first, last = nodes[0], nodes[-1]
     if name is None:
         name = first.name if len(nodes) == 1 else f"{first.name}..{last.name}"

@@ -1,0 +1,54 @@
+"""Fine-level clean-up of a schedule: drop recomputations the budget does not need.
+
+The MILP plans on a coarsened graph whose memory model is conservative (a coarse node keeps all
+of its outputs alive until the last of them is read), so its plans often land well under the
+budget on the fine graph. Deleting a recomputation step always leaves a valid schedule: readers
+after it simply read the previous instance, which then lives longer. We delete, most expensive
+first, every recomputation whose removal keeps the fine simulated peak within the budget, and
+prune recomputations nothing reads. Cost can only go down; the peak stays within the budget.
+"""
+from __future__ import annotations
+
+from remat.graph_capture.training_graph import TrainingGraph
+from remat.solver.simulator import last_reads, simulate
+
+__all__ = ["prune_unread", "drop_recomputations"]
+
+
+def prune_unread(graph: TrainingGraph, schedule: list[str]) -> list[str]:
+    """Remove recomputations whose instance no step reads (repeat until none is left)."""
+    sched = list(schedule)
+    while True:
+        frees = last_reads(graph, sched)
+        seen: set[str] = set()
+        dead = set()
+        for s, name in enumerate(sched):
+            # an instance freed at its own step was never read
+            if name in seen and name in frees[s] and graph.node(name).kept_bytes == 0:
+                dead.add(s)
+            seen.add(name)
+        if not dead:
+            return sched
+        sched = [n for s, n in enumerate(sched) if s not in dead]
+
+
+def drop_recomputations(graph: TrainingGraph, schedule: list[str], budget_bytes: int,
+                        passes: int = 2) -> list[str]:
+    sched = prune_unread(graph, schedule)
+    for _ in range(passes):
+        seen: set[str] = set()
+        steps = []
+        for s, name in enumerate(sched):
+            if name in seen:
+                steps.append(s)
+            seen.add(name)
+        steps.sort(key=lambda s: -graph.node(sched[s]).cost)
+        removed: set[int] = set()
+        for s in steps:
+            trial = [n for k, n in enumerate(sched) if k != s and k not in removed]
+            if simulate(graph, trial).peak_bytes <= budget_bytes:
+                removed.add(s)
+        if not removed:
+            break
+        sched = prune_unread(graph, [n for k, n in enumerate(sched) if k not in removed])
+    return sched

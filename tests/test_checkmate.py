@@ -1,0 +1,196 @@
+"""Checkmate's MILP against an exact brute force, the baselines, and the coarsening guarantee.
+
+Why the brute force is the right reference: `brute_force` (tests/conftest.py) searches every flat
+schedule of the simulator's model. The MILP searches frontier-advancing schedules (stage t ends
+with the first computation of node t, each stage computes a node at most once, in topological
+order). On the training chains below the topological order is unique (f1..fn, bn..b1 form a
+Hamiltonian path), so every schedule's first computations are in that order and split into the
+MILP's stages; within a stage, recomputations are forward runs from a kept value, and we check
+that the restriction to one computation per node per stage, in index order, loses nothing on
+these graphs: the two optima must be EQUAL. The test asserts it on every (n, seed, budget); if the
+spaces ever differed on a chain, the MILP's optimum could only be higher, and the test would show it.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from remat.solver import checkmate, equal_spacing
+from remat.solver.coarsen import coarsen, expand_schedule
+from remat.solver.plan import Plan
+from remat.solver.schedule import keep_all_schedule, schedule_from_kept
+from remat.solver.simulator import simulate
+from tests.conftest import brute_force, random_dag, training_chain, transformer_like
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def peak(g, s):
+    return simulate(g, s).peak_bytes
+
+
+def budgets(g):
+    lo, _ = brute_force(g, None, objective="peak")
+    hi = peak(g, keep_all_schedule(g))
+    return lo, hi
+
+
+def check_plan(g, plan: Plan, budget):
+    assert plan.strategy == "checkmate"
+    sim = simulate(g, plan.schedule)
+    assert sim.peak_bytes == plan.predicted_peak_bytes  # the fine simulator's number
+    assert plan.extra_cost == pytest.approx(sim.extra_cost)
+    if plan.status in ("optimal", "feasible"):
+        assert plan.predicted_peak_bytes <= budget
+    for key in ("coarse_nodes", "variables", "constraints", "coarse_peak_bytes"):
+        assert key in plan.details
+
+
+# n = 2..12, a few seeds and budgets each (tightest, near-tightest, middle, keep-all)
+CASES = [(n, seed, which) for n in range(2, 10) for seed in range(2)
+         for which in ("min", "min+", "mid", "max")]
+CASES += [(n, 7, which) for n in (10, 11, 12) for which in ("mid", "max")] + [(10, 8, "min")]
+CASES += [(n, 3, which) for n in (6, 8) for which in ("min", "mid")]  # with random nodes
+
+
+@pytest.mark.parametrize("n, seed, which", CASES)
+def test_optimal_cost_equals_brute_force(n, seed, which):
+    g = training_chain(n, seed, random_at=(2, n - 1) if seed == 3 else ())
+    lo, hi = budgets(g)
+    budget = {"min": lo, "min+": lo + 2, "mid": (lo + hi) // 2, "max": hi}[which]
+    best, sched = brute_force(g, budget)
+    assert best is not None and peak(g, sched) <= budget
+    plan = checkmate.solve(g, budget, threads=1)
+    check_plan(g, plan, budget)
+    assert plan.status == "optimal"
+    assert plan.total_cost == pytest.approx(best)
+    assert plan.gap is not None and plan.gap <= 1e-4
+    if which == "min":  # one byte less: nothing fits, and the MILP proves it
+        assert brute_force(g, budget - 1)[0] is None
+        assert checkmate.solve(g, budget - 1, threads=1).status == "infeasible"
+
+
+@pytest.mark.parametrize("n, seed", [(3, 0), (5, 1), (7, 2), (9, 4)])
+def test_min_feasible_budget_matches_brute_force(n, seed):
+    g = training_chain(n, seed)
+    lo, _ = budgets(g)
+    mfb, plan = checkmate.min_feasible_budget(g, threads=1, return_plan=True)
+    assert mfb == lo == plan.predicted_peak_bytes
+    assert checkmate.solve(g, mfb, threads=1).status == "optimal"
+    assert checkmate.solve(g, mfb - 1, threads=1).status == "infeasible"
+
+
+def test_infeasible_budget_status():
+    g = training_chain(5, 0)
+    plan = checkmate.solve(g, g.resident_bytes, threads=1)  # below any step's memory
+    assert plan.status == "infeasible" and plan.details["reason"] == "proven infeasible"
+    assert plan.schedule  # the lowest-peak baseline, for information
+
+
+@pytest.mark.parametrize("g, coarsen_to", [
+    (random_dag(14, 1), None), (random_dag(30, 2), None), (training_chain(12, 5), None),
+    (transformer_like(2), 40), (random_dag(40, 3), 30)], ids=lambda x: getattr(x, "name", str(x)))
+def test_fits_and_never_worse_than_equal_spacing(g, coarsen_to):
+    full = peak(g, keep_all_schedule(g))
+    lowest = equal_spacing.solve(g, 0).predicted_peak_bytes
+    for frac in (0.25, 0.6, 1.0):
+        budget = int(lowest + (full - lowest) * frac)
+        plan = checkmate.solve(g, budget, coarsen_to=coarsen_to, time_limit_s=30)
+        check_plan(g, plan, budget)
+        assert plan.status in ("optimal", "feasible"), plan.details
+        es = equal_spacing.solve(g, budget)
+        if es.fits:
+            assert plan.extra_cost <= es.extra_cost + 1e-9
+        # the MILP's plan, mapped back to the fine graph, peaks no higher than the coarse model
+        # promised (the fine-level refinement then spends the slack, staying within the budget)
+        assert plan.details["coarse_peak_bytes"] >= plan.details["milp_plan"]["peak_bytes"]
+        assert plan.details["milp_peak_bytes"] >= plan.details["coarse_peak_bytes"]
+        assert plan.extra_cost <= plan.details["milp_plan"]["extra_cost"] + 1e-9
+
+
+def random_schedule(g, rng, p=0.3):
+    """A random valid schedule: every node in order, with random recomputations of recomputable
+    nodes (their inputs have been computed before, so the simulator accepts it)."""
+    sched, done = [], []
+    for v in g.nodes:
+        while done and rng.random() < p:
+            cand = [x for x in done if g.node(x).recomputable]
+            if not cand:
+                break
+            sched.append(rng.choice(cand))
+        sched.append(v.name)
+        done.append(v.name)
+    return sched
+
+
+def test_coarsening_guarantee(capsys):
+    rng = random.Random(0)
+    equal = total = 0
+    graphs = [random_dag(n, s) for n, s in ((20, 0), (40, 1), (60, 2), (80, 3))]
+    graphs += [transformer_like(2), training_chain(12, 1, random_at=(4,))]
+    for g in graphs:
+        for target in (len(g.nodes) // 2, len(g.nodes) // 4, 8):
+            c = coarsen(g, target)
+            assert len(c.nodes) <= max(target, 2)  # phases never mix: at least 2 runs
+            assert [m for v in c.nodes for m in v.members] == [v.name for v in g.nodes]
+            for v in c.nodes:
+                fine = [g.node(m) for m in v.members]
+                assert len({f.is_backward for f in fine}) == 1
+                assert v.recomputable == all(f.recomputable for f in fine)
+                assert v.cost == pytest.approx(sum(f.cost for f in fine))
+            scheds = [random_schedule(c, rng, p) for p in (0.0, 0.2, 0.5) for _ in range(4)]
+            cands = equal_spacing.checkpoint_candidates(c)
+            scheds += [schedule_from_kept(c, cands[k - 1::k]) for k in (1, 2, 3)]
+            for s in scheds:
+                cs, fs = simulate(c, s), simulate(g, expand_schedule(c, s))
+                assert fs.peak_bytes <= cs.peak_bytes
+                assert fs.total_cost == pytest.approx(cs.total_cost)
+                total += 1
+                equal += fs.peak_bytes == cs.peak_bytes
+    with capsys.disabled():
+        print(f"\ncoarsening: fine peak == coarse peak in {equal}/{total} schedules")
+    assert total > 100
+
+
+def test_coarsen_folds_views_and_keeps_targets():
+    g = transformer_like(2)
+    c = coarsen(g, 30)
+    assert len(c.nodes) <= 30
+    views = [v.name for v in g.nodes if v.op in ("view", "transpose")]
+    owner = {m: v for v in c.nodes for m in v.members}
+    assert all(len(owner[x].members) > 1 for x in views)  # no view stands alone
+    same = coarsen(g, 10_000)  # no merge needed: one run per node, same simulation
+    assert [v.members for v in same.nodes] == [(v.name,) for v in g.nodes]
+    s = keep_all_schedule(g)
+    assert simulate(same, s).timeline == simulate(g, s).timeline
+
+
+def test_transformer_plan_details():
+    g = transformer_like(3)
+    full = peak(g, keep_all_schedule(g))
+    plan = checkmate.solve(g, full // 2, coarsen_to=60, time_limit_s=8)
+    check_plan(g, plan, full // 2)
+    assert plan.status in ("optimal", "feasible")
+    assert plan.details["coarse_nodes"] <= 60 and plan.details["fine_nodes"] == len(g.nodes)
+    assert plan.details["baseline"]["warm_start"] is True
+    assert plan.extra_cost <= plan.details["baseline"]["extra_cost"] + 1e-9
+    if plan.status == "feasible":
+        assert plan.gap is not None and plan.gap > 0
+    assert Plan.from_json(plan.to_json()).schedule == plan.schedule
+
+
+def test_highs_backend_matches_cbc():
+    pytest.importorskip("highspy", reason="backend='highs' needs highspy")
+    for n, seed in ((4, 0), (7, 1), (9, 2)):
+        g = training_chain(n, seed)
+        lo, hi = budgets(g)
+        for budget in (lo, (lo + hi) // 2):
+            a = checkmate.solve(g, budget, backend="highs")
+            assert a.status == "optimal" and a.total_cost == pytest.approx(brute_force(g, budget)[0])
+        assert checkmate.solve(g, lo - 1, backend="highs").status == "infeasible"
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown backend"):
+        checkmate.solve(training_chain(3, 0), 10_000, backend="gurobi")

@@ -1,0 +1,35 @@
+import random
+
+from remat.solver import equal_spacing
+from remat.solver.refine import drop_recomputations, prune_unread
+from remat.solver.schedule import keep_all_schedule
+from remat.solver.simulator import simulate
+from tests.conftest import transformer_like
+
+
+def test_dropping_recomputations_keeps_schedules_valid_and_within_budget():
+    g = transformer_like(3, seed=4)
+    full = simulate(g, keep_all_schedule(g)).peak_bytes
+    lowest = equal_spacing.solve(g, 0).predicted_peak_bytes
+    for frac in (0.1, 0.5, 0.9):
+        budget = int(lowest + (full - lowest) * frac)
+        es = equal_spacing.solve(g, budget)
+        assert es.fits
+        refined = drop_recomputations(g, es.schedule, budget)
+        sim = simulate(g, refined)  # raises if the schedule were invalid
+        assert sim.peak_bytes <= budget
+        assert sim.extra_cost <= es.extra_cost
+    # with the keep_all peak as budget every recomputation goes
+    es = equal_spacing.solve(g, lowest)
+    assert simulate(g, drop_recomputations(g, es.schedule, full)).extra_cost == 0
+
+
+def test_prune_removes_unread_recomputations_only():
+    g = transformer_like(2, seed=1)
+    sched = keep_all_schedule(g)
+    rng = random.Random(0)
+    fwd = [v.name for v in g.forward_nodes if v.recomputable]
+    # recomputations after the last step: nothing reads them, so all of them go, and only them
+    noisy = sched + [rng.choice(fwd) for _ in range(10)]
+    simulate(g, noisy)
+    assert prune_unread(g, noisy) == sched
