@@ -541,7 +541,7 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0
                     threads=threads, presolve=False)
         details["presolve"] = {"coarse_nodes": sub.details["coarse_nodes"], "status": sub.status,
                                "extra_cost": sub.extra_cost, "s": round(sub.solve_time_s, 3)}
-        if sub.status != "infeasible" and hasattr(sub, "_coarse_schedule"):
+        if sub.status != "infeasible" and getattr(sub, "_coarse_schedule", None) is not None:
             coarser = _prepare(graph, sub.details["coarse_nodes"])
             refined = _refine(coarser, g, sub._coarse_schedule)
             if refined is not None:
@@ -588,9 +588,13 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0
                 mp.details = {**details, "coarse_extra_cost": mp.details["coarse_extra_cost"]}
                 mp.solve_time_s = time.perf_counter() - t0
                 return mp
-        if es.fits:
-            details["warning"] = (f"equal_spacing (k={es.details.get('k')}) fits this budget but "
-                                  f"the MILP returned no plan")
+        if es.fits:  # never answer "infeasible" when a plan we know of fits
+            details["warning"] = (f"the MILP returned no plan; equal_spacing (k={es.details.get('k')}) "
+                                  f"fits this budget and is refined instead")
+            details["schedule_source"] = "equal_spacing"
+            es_plan = plan_from_schedule(graph, es.schedule, strategy="checkmate", budget_bytes=budget_bytes,
+                                         status="feasible", details=details)
+            return _polish(graph, es_plan, es, budget_bytes, t0)
         name, _, stages = lowest
         details["schedule_source"] = name
         return _finish(graph, g, stages, strategy="checkmate", budget=budget_bytes,
