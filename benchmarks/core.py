@@ -45,19 +45,20 @@ def main() -> int:
     keep = run_strategy(model, inputs, "keep_all", None, reference=ref)
     K = keep.measured_peak_bytes
     rows, notes = [keep], []
-    budgets = [(f"{f:.0%}", int(f * K)) for f in a.fracs]
+    budgets = [(f"{f:.0%}", int(f * K), None) for f in a.fracs]
     if a.min_feasible:
         from remat.solver.checkmate import min_feasible_budget
 
         t0 = time.perf_counter()
-        m = min_feasible_budget(capture(model, inputs), time_limit_s=a.time_limit)
+        m, min_plan = min_feasible_budget(capture(model, inputs), time_limit_s=a.time_limit, return_plan=True)
         notes.append(f"checkmate smallest feasible budget: {m / MiB:.2f} MiB = {m / K:.1%} of keep_all "
-                     f"(found in {time.perf_counter() - t0:.1f} s)")
-        budgets.append(("min", m))
-    for label, b in budgets:
+                     f"(min-peak MILP, found in {time.perf_counter() - t0:.1f} s; its plan is deployed as is)")
+        budgets.append(("min", m, min_plan))
+    for label, b, plan in budgets:
         for strategy in ("equal_spacing", "checkmate"):
             try:
-                rows.append(run_strategy(model, inputs, strategy, b, reference=ref, time_limit_s=a.time_limit))
+                rows.append(run_strategy(model, inputs, strategy, b, reference=ref, time_limit_s=a.time_limit,
+                                         plan=plan if strategy == "checkmate" else None))
             except InfeasibleBudgetError as e:
                 notes.append(f"budget {label} ({b / MiB:.2f} MiB): {strategy} infeasible; {e}")
     table = format_table(rows, K)

@@ -207,9 +207,9 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
             else:
                 ws_b += storage_bytes[ref]
         ws_b += max((probed.get(m.name, 0) for m in members), default=0)
-        flops = sum(_flops(m) for m in members)
-        cost = sum(VIEW_COST if m is not owner else flops_m + BYTES_WEIGHT * _traffic_bytes(m)
-                   for m, flops_m in ((m, _flops(m)) for m in members))
+        # the owner does the work; its views and getitems launch nothing (VIEW_COST each)
+        flops = _flops(owner)
+        cost = flops + BYTES_WEIGHT * _traffic_bytes(owner) + VIEW_COST * (len(members) - 1)
         is_random = any(isinstance(m.target, torch._ops.OpOverload) and
                         torch.Tag.nondeterministic_seeded in m.target.tags for m in members)
         nodes.append(Node(name=owner.name, op=str(getattr(owner.target, "__name__", owner.target)),

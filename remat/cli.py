@@ -62,8 +62,9 @@ def demo(a: argparse.Namespace) -> int:
     # train a few steps with the optimized module
     from remat.api import optimize
 
-    if a.steps > 0 and any(r.strategy == "checkmate" for r in rows):
-        opt = optimize(model, budget_bytes=budget, example_inputs=inputs, time_limit_s=a.time_limit)
+    cm = [r for r in rows if r.strategy == "checkmate"]
+    if a.steps > 0 and cm:
+        opt = optimize(model, example_inputs=inputs, plan=cm[0].plan)  # the plan just solved
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for _ in range(a.steps):

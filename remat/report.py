@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -32,13 +32,17 @@ class StrategyRow:
     step_time_s: float
     grads_match: bool | None  # loss and every gradient allclose to the unmodified model's
     max_grad_err: float | None
+    plan: Plan | None = field(default=None, repr=False)  # to deploy again without solving
 
     @property
     def measured_over_predicted(self) -> float:
         return self.measured_peak_bytes / self.predicted_peak_bytes
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "measured_over_predicted": self.measured_over_predicted}
+        d = {k: v for k, v in asdict(self).items() if k != "plan"}
+        return {**d, "measured_over_predicted": self.measured_over_predicted,
+                "plan_details": {k: v for k, v in (self.plan.details if self.plan else {}).items()
+                                 if isinstance(v, (int, float, str, dict))}}
 
 
 def training_step(module: nn.Module, params: Sequence[torch.Tensor], inputs: Sequence) -> Callable[[], torch.Tensor]:
@@ -106,8 +110,8 @@ def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes
                        predicted_peak_bytes=p.predicted_peak_bytes, measured_peak_bytes=peak,
                        extra_cost_frac=p.extra_cost / opt.graph.total_cost,
                        extra_flops_predicted=p.extra_flops, extra_flops_measured=flops - ref_flops,
-                       solve_time_s=p.solve_time_s if plan is None else 0.0, step_time_s=step_time,
-                       grads_match=grads_ok, max_grad_err=err)
+                       solve_time_s=p.solve_time_s, step_time_s=step_time,
+                       grads_match=grads_ok, max_grad_err=err, plan=p)
 
 
 def format_table(rows: Sequence[StrategyRow], keep_all_peak: int | None = None) -> str:

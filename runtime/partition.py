@@ -31,10 +31,6 @@ def _forward_boundary(info: JointGraphInfo, schedule: list[str]) -> int:
 
 def scheduled_joint_graph(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphModule, list[fx.Node]]:
     """The joint graph in schedule order, and the forward nodes the backward reads."""
-    if plan.graph_fingerprint and plan.graph_fingerprint != info.graph.fingerprint():
-        raise PlanMismatchError(
-            f"the plan was made for graph {plan.graph_fingerprint}, but this model traces to "
-            f"{info.graph.fingerprint()} (a different model, input shape or torch version); solve again")
     old = info.gm.graph
     new = fx.Graph()
     latest: dict[fx.Node, fx.Node] = {}
