@@ -1,7 +1,6 @@
 """The public entry points: capture, plan, optimize."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
