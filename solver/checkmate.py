@@ -652,7 +652,8 @@ def _min_peak(graph: TrainingGraph, g: TrainingGraph, backend: str, time_limit_s
     stages = _stages_of(g, base[1])
     if backend == "cbc" and stages is not None:
         warm = _assign(model, stages)
-    status, gap, _ = _run(model, backend, time_limit_s, None, threads, warm, False)
+    left = max(1.0, time_limit_s - (time.perf_counter() - t0) - POLISH_RESERVE_S)
+    status, gap, _ = _run(model, backend, left, None, threads, warm, False)
     if status == "infeasible":
         return None
     return _finish(graph, g, _solution_stages(model), strategy="checkmate", budget=None,
@@ -669,9 +670,10 @@ def min_feasible_budget(graph: TrainingGraph, *, time_limit_s: float = 60.0, bac
     which is in plan.details; `solve` at this budget falls back to this same min-peak plan when its
     coarse MILP is infeasible). When equal_spacing's lowest-peak plan peaks lower (or the MILP
     finds nothing in time), that plan is the answer; plan.details says which one it is."""
+    t0 = time.perf_counter()
     threads = threads or min(os.cpu_count() or 1, 8)
     g = _prepare(graph, coarsen_to)
-    plan = _min_peak(graph, g, backend, time_limit_s, threads)
+    plan = _min_peak(graph, g, backend, time_limit_s - (time.perf_counter() - t0), threads)
     # equal_spacing's lowest-peak plan is a valid answer too; the coarse model can miss it
     es = equal_spacing.solve(graph, 1)
     if plan is None or es.predicted_peak_bytes < plan.predicted_peak_bytes:
@@ -681,4 +683,5 @@ def min_feasible_budget(graph: TrainingGraph, *, time_limit_s: float = 60.0, bac
         es.details["schedule_source"] = "equal_spacing (lower peak than the min-peak MILP)"
         plan = es
     plan.budget_bytes = plan.predicted_peak_bytes
+    plan.solve_time_s = time.perf_counter() - t0  # coarsening and the comparison included
     return (plan.predicted_peak_bytes, plan) if return_plan else plan.predicted_peak_bytes
