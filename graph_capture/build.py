@@ -194,18 +194,23 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
                     inputs.append(k.name)
         # bytes of each storage this group allocated, split by whether anything outside reads it
         out_b = kept_b = ws_b = 0
+        parts: list[tuple[int, tuple[str, ...]]] = []  # (bytes, readers) of each read storage
         owned = [r for r, o in storage_owner.items() if o is owner]
         for ref in owned:
             aliases = [m for m in members if any(StorageWeakRef(t.untyped_storage()) == ref
                                                  for t in _tensors(m.meta.get("val")))]
             is_out = any(m in output_nodes for m in aliases)
-            read_outside = any(u not in member_set for m in aliases for u in m.users)
+            readers = sorted({group_of[u].name for m in aliases for u in m.users
+                              if u not in member_set and u in group_of})
             if is_out:
                 kept_b += storage_bytes[ref]
-            elif read_outside:
+            elif readers:
                 out_b += storage_bytes[ref]
+                parts.append((storage_bytes[ref], tuple(readers)))
             else:
                 ws_b += storage_bytes[ref]
+        # several outputs (layer/batch norm, ...): each lives until its own last reader has run
+        out_parts = tuple(parts) if len(parts) > 1 else ()
         ws_b += max((probed.get(m.name, 0) for m in members), default=0)
         # the owner does the work; its views and getitems launch nothing (VIEW_COST each)
         flops = _flops(owner)
@@ -217,7 +222,7 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
                           workspace_bytes=ws_b, cost=max(cost, VIEW_COST), flops=flops,
                           is_backward=_is_backward(owner), is_random=is_random,
                           module_path=owner.meta.get("remat_module_path", ""),
-                          members=tuple(m.name for m in members)))
+                          members=tuple(m.name for m in members), out_parts=out_parts))
         fx_groups[owner.name] = members
     tg = TrainingGraph(nodes=tuple(nodes), resident_bytes=resident_bytes, name=name,
                        meta={"fx_nodes": sum(1 for _ in g.nodes), "num_fwd_outputs": num_fwd_outputs})

@@ -5,7 +5,9 @@ saved as JSON, built by hand in tests, and handed to any solver.
 
 Memory model (the simulator in `remat.solver.simulator` is its single judge):
   * a node's value occupies `out_bytes` from the moment the node runs until the last read of that
-    computed instance (a recomputation makes a new instance);
+    computed instance (a recomputation makes a new instance); an op with several outputs may
+    list them in `out_parts` (bytes, readers), and each part is then freed after the last read
+    by one of its own readers;
   * `kept_bytes` are graph outputs (the loss, parameter gradients): they stay live to the end;
   * `workspace_bytes` are temporaries that exist only while the node runs;
   * `resident_bytes` (parameters, buffers, inputs) are live throughout.
@@ -33,6 +35,9 @@ class Node:
     is_random: bool = False  # draws random numbers: never recomputed
     module_path: str = ""  # e.g. "h.0.attn", for readable reports
     members: tuple[str, ...] = ()  # what it stands for: fx node names, or fine node names when coarse
+    # separate outputs with their own readers (bytes, reader names), summing to out_bytes; empty:
+    # one value that every reader reads
+    out_parts: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     @property
     def recomputable(self) -> bool:
@@ -55,6 +60,8 @@ class TrainingGraph:
             for i in n.inputs:
                 if i not in seen:
                     raise ValueError(f"node {n.name!r} reads {i!r}, which is not an earlier node")
+            if n.out_parts and sum(b for b, _ in n.out_parts) != n.out_bytes:
+                raise ValueError(f"node {n.name!r}: out_parts do not add up to out_bytes")
             if n.cost <= 0:
                 raise ValueError(f"node {n.name!r} has cost {n.cost}; every node must cost > 0")
             seen.add(n.name)
@@ -123,7 +130,8 @@ class TrainingGraph:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainingGraph":
-        nodes = tuple(Node(**{**n, "inputs": tuple(n["inputs"]), "members": tuple(n["members"])})
+        nodes = tuple(Node(**{**n, "inputs": tuple(n["inputs"]), "members": tuple(n["members"]),
+                               "out_parts": tuple((b, tuple(r)) for b, r in n.get("out_parts", ()))})
                       for n in d["nodes"])
         return cls(nodes=nodes, resident_bytes=d["resident_bytes"], name=d.get("name", ""),
                    meta=d.get("meta", {}))

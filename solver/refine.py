@@ -23,8 +23,10 @@ def prune_unread(graph: TrainingGraph, schedule: list[str]) -> list[str]:
         seen: set[str] = set()
         dead = set()
         for s, name in enumerate(sched):
-            # an instance freed at its own step was never read
-            if name in seen and name in frees[s] and graph.node(name).kept_bytes == 0:
+            # an instance all of whose outputs are freed at its own step was never read
+            node = graph.node(name)
+            own = sum(1 for f, _ in frees[s] if f == name)
+            if name in seen and own == max(len(node.out_parts), 1) and node.kept_bytes == 0:
                 dead.add(s)
             seen.add(name)
         if not dead:

@@ -35,23 +35,37 @@ class SimResult:
     timeline: tuple[int, ...]  # memory at each step (while the step runs)
 
 
-def last_reads(graph: TrainingGraph, schedule: list[str]) -> list[list[str]]:
-    """For each step, the names whose current instance is read for the last time at that step
-    (including the step's own node when no later step reads this instance)."""
+def _parts(v) -> list[tuple[int, tuple[str, ...] | None]]:
+    """A node's outputs as (bytes, readers); readers None: every reader."""
+    return list(v.out_parts) if v.out_parts else [(v.out_bytes, None)]
+
+
+def _parts_read(u, reader: str) -> list[int]:
+    """Which of u's parts a read by `reader` touches (all of them if it is named in none)."""
+    parts = _parts(u)
+    hit = [k for k, (_, readers) in enumerate(parts) if readers is None or reader in readers]
+    return hit or list(range(len(parts)))
+
+
+def last_reads(graph: TrainingGraph, schedule: list[str]) -> list[list[tuple[str, int]]]:
+    """For each step, the (name, part) outputs whose current instance is read for the last time
+    at that step, including the step's own outputs that no later step reads."""
     nodes = [graph.node(s) for s in schedule]
-    frees: list[list[str]] = [[] for _ in schedule]
-    pending: set[str] = set()  # names already read by a later step of the instance being tracked
+    frees: list[list[tuple[str, int]]] = [[] for _ in schedule]
+    pending: set[tuple[str, int]] = set()  # parts already read by a later step, same instance
     # walk backwards: a read at step s is the last read of its instance if no later step read the
-    # same name before a later recomputation of it
+    # same part before a later recomputation of it
     for s in range(len(schedule) - 1, -1, -1):
         v = nodes[s]
-        if v.name not in pending:
-            frees[s].append(v.name)  # this instance is never read
-        pending.discard(v.name)  # earlier instances are a different story
+        for k in range(len(_parts(v))):
+            if (v.name, k) not in pending:
+                frees[s].append((v.name, k))  # this instance's part is never read
+            pending.discard((v.name, k))  # earlier instances are a different story
         for i in v.inputs:
-            if i not in pending:
-                frees[s].append(i)
-                pending.add(i)
+            for k in _parts_read(graph.node(i), v.name):
+                if (i, k) not in pending:
+                    frees[s].append((i, k))
+                    pending.add((i, k))
     return frees
 
 
@@ -63,7 +77,7 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     if unknown:
         raise ScheduleError(f"schedule names nodes not in the graph: {unknown[:5]}")
     frees = last_reads(graph, schedule)
-    live: dict[str, int] = {}  # name -> bytes of its current instance
+    live: dict[str, dict[int, int]] = {}  # name -> {part: bytes} of its current instance
     kept = 0
     mem = graph.resident_bytes
     peak, peak_step = mem, -1
@@ -72,7 +86,7 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     for s, name in enumerate(schedule):
         v = graph.nodes[idx[name]]
         for i in v.inputs:
-            if i not in live:
+            if i not in live or any(k not in live[i] for k in _parts_read(graph.nodes[idx[i]], name)):
                 raise ScheduleError(f"step {s} ({name}) reads {i}, which is not live "
                                     f"({'freed' if i in computed else 'never computed'})")
         if name in computed:
@@ -87,12 +101,14 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
             peak, peak_step = now, s
         mem += v.out_bytes + v.kept_bytes
         kept += v.kept_bytes
-        live[name] = v.out_bytes
+        live[name] = {k: b for k, (b, _) in enumerate(_parts(v))}
         computed.add(name)
         total_cost += v.cost
         total_flops += v.flops
-        for f in frees[s]:
-            mem -= live.pop(f)
+        for f, k in frees[s]:
+            mem -= live[f].pop(k)
+            if not live[f]:
+                del live[f]
     missing = [n.name for n in graph.nodes if n.name not in computed]
     if missing:
         raise ScheduleError(f"schedule never computes {len(missing)} node(s), e.g. {missing[:5]}")

@@ -42,3 +42,22 @@ class DataDependent(nn.Module):
         if h.sum() > 0:  # data-dependent control flow: cannot be traced into one graph
             h = h * 2
         return h.sum()
+
+
+class ConvNet(nn.Module):
+    """Convolutions, BatchNorm (an op with several outputs that die at different times), residual
+    connections, dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Dropout(0.1),
+                          nn.Conv2d(16, 16, 3, padding=1)) for _ in range(3)])
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = torch.relu(h + block(h))
+        return F.cross_entropy(self.fc(h.mean((2, 3))), y)

@@ -31,7 +31,19 @@ def test_recomputation_frees_first_instance_at_its_last_read():
     assert r.peak_bytes == 130 and r.recomputations == 1 and r.extra_cost == 4.0
     # without recomputing, a stays live across b: 110, 130, 115
     assert simulate(g, ["a", "b", "c"]).timeline == (110, 130, 115)
-    assert last_reads(g, ["a", "b", "a", "c"]) == [[], ["b", "a"], [], ["c", "a"]]
+    assert last_reads(g, ["a", "b", "a", "c"]) == [[], [("b", 0), ("a", 0)], [], [("c", 0), ("a", 0)]]
+
+
+def test_outputs_with_their_own_readers_die_separately():
+    # x has two outputs: 8 bytes read only by y (early), 2 bytes read only by z (late)
+    x = N("x", (), 10, cost=1, out_parts=((8, ("y",)), (2, ("z",))))
+    g = graph(x, N("y", ["x"], 1), N("w", (), 4), N("z", ["x", "y", "w"], 1))
+    r = simulate(g, ["x", "y", "w", "z"])
+    # x: 110; y: 111, then x's first output (8) is freed: 103; w: 107; z: 108
+    assert r.timeline == (110, 111, 107, 108)
+    # as one value, x would stay whole until z: w would run at 115
+    whole = graph(N("x", (), 10, cost=1), N("y", ["x"], 1), N("w", (), 4), N("z", ["x", "y", "w"], 1))
+    assert simulate(whole, ["x", "y", "w", "z"]).timeline == (110, 111, 115, 116)
 
 
 def test_workspace_counts_only_while_the_node_runs():
