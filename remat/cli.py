@@ -83,7 +83,6 @@ def demo(a: argparse.Namespace) -> int:
 
 def plan_cmd(a: argparse.Namespace) -> int:
     from remat.api import capture, solve
-    from remat.report import run_strategy
 
     cfg = _config(a)
     model = default_model(cfg)
