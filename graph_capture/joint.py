@@ -144,14 +144,15 @@ def _user_frame(exc: BaseException) -> str:
 
 def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
                         partition_fn: Callable[..., Any],
-                        fused_attention: bool = True) -> tuple[Callable, FlatSignature]:
+                        fused_attention: bool | str = True) -> tuple[Callable, FlatSignature]:
     """Trace model(*args, **kwargs) + its backward. `partition_fn(joint_gm, joint_inputs,
     num_fwd_outputs=...)` receives the joint graph and returns (forward_gm, backward_gm).
-    With `fused_attention`, eligible `F.scaled_dot_product_attention` calls are traced as remat's
-    flash-attention op (see remat.runtime.attention).
+    With `fused_attention` (True/"exact", "all" or False), attention the fused op can take is traced
+    as remat's flash-attention op (see remat.runtime.attention).
     Returns AOTAutograd's compiled callable (taking the flat tensors) and the signature."""
-    from remat.runtime.attention import route_attention
+    from remat.runtime.attention import fused_attention_mode, route_attention
 
+    fused_attention_mode(fused_attention)  # bad values are the caller's error, not a trace failure
     kwargs = dict(kwargs or {})
     sig = FlatSignature.of(tuple(args), kwargs)
     flat = [a for i, a in enumerate(pytree.tree_leaves((tuple(args), kwargs))) if i not in sig.constants]
@@ -159,7 +160,7 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
         raise TraceError("nothing requires grad: there is no backward pass to plan")
     step = _FlatStep(model, sig)
     try:
-        with record_module_spans(model) as spans, route_attention(fused_attention):
+        with record_module_spans(model) as spans, route_attention(fused_attention, model):
             # the spans are complete once tracing is done, which is before AOTAutograd partitions
             def partition_with_paths(joint_gm, joint_inputs, **kw):
                 annotate_module_paths(joint_gm, spans)

@@ -36,9 +36,9 @@ def _joint_info(joint_gm, num_fwd_outputs: int, name: str) -> JointGraphInfo:
 
 
 def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
-            fused_attention: bool = True) -> TrainingGraph:
+            fused_attention: bool | str = True) -> TrainingGraph:
     """Trace one training step of `model` (forward and backward, ATen level) into a TrainingGraph.
-    `fused_attention`: trace eligible scaled_dot_product_attention calls as remat's flash op."""
+    `fused_attention`: trace attention as remat's flash op where it can (see `optimize`)."""
     holder: dict[str, JointGraphInfo] = {}
 
     def record(joint_gm, joint_inputs, *, num_fwd_outputs, **kw):
@@ -108,15 +108,20 @@ def _rejudge(plan: Plan, graph: TrainingGraph) -> Plan:
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
              solver: str = "checkmate", time_limit_s: float = 60.0, plan: Plan | None = None,
-             fused_attention: bool = True, **solver_kwargs) -> RematModule:
+             fused_attention: bool | str = True, **solver_kwargs) -> RematModule:
     """Return a drop-in module whose training step peaks under the budget.
 
     The budget is the real peak of one training step, forward and backward: parameters,
     buffers, inputs, activations, temporaries and the gradients produced so far (optimizer state
     and gradients kept from earlier steps are not part of the step; zero grads with
     set_to_none=True). Pass `plan=` (e.g. `Plan.load(path)`) to deploy a saved plan without solving.
-    With `fused_attention` (default), scaled_dot_product_attention calls without mask or dropout
-    run remat's flash-attention op (Triton on CUDA, PyTorch code on CPU).
+    `fused_attention` picks which attention runs remat's flash-attention op (Triton on CUDA,
+    PyTorch code on CPU), which keeps no s x s tensor: True or "exact" (default) fuses
+    scaled_dot_product_attention without mask or dropout and the explicit
+    softmax(QK^T * scale [causal mask])V pattern without dropout, so the module computes what the
+    model computes; "all" also fuses attention with dropout on its probabilities, drawing the
+    masks from remat's own counter-based generator (same distribution, other masks than torch's);
+    False fuses nothing.
     The model itself is not modified."""
     budget = _budget(budget_gb, budget_bytes)
     if budget is None and plan is None:

@@ -19,7 +19,7 @@ MiB = 2**20
 
 def _config(a: argparse.Namespace) -> GPTConfig:
     return GPTConfig(n_layer=a.layers, block_size=a.seq, batch_size=a.batch, n_embd=a.embd,
-                     n_head=a.heads, dropout=a.dropout)
+                     n_head=a.heads, dropout=a.dropout, attn_dropout=a.attn_dropout, attention=a.attention)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="budget as a fraction of keep_all's measured peak (default 0.5)")
     p.add_argument("--budget-mib", type=float, default=None, help="absolute budget in MiB (overrides --budget-frac)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds")
+    p.add_argument("--attention", choices=["explicit", "sdpa"], default="explicit",
+                   help="how the model spells attention (default: explicit softmax(QK^T)V)")
+    p.add_argument("--attn-dropout", type=float, default=None, help="dropout on attention probs (default: --dropout)")
+    p.add_argument("--fused-attention", choices=["exact", "all", "off"], default="exact",
+                   help="attention run as remat's flash op: 'exact' where it computes the same function "
+                        "(no attention dropout), 'all' also with attention dropout (remat's own masks), "
+                        "'off' never (default: exact)")
 
 
 def machine() -> str:
@@ -44,16 +51,19 @@ def demo(a: argparse.Namespace) -> int:
     model = default_model(cfg)
     inputs = default_inputs(cfg)
     print(f"remat demo: GPT {cfg.n_layer} layers, seq {cfg.block_size}, batch {cfg.batch_size}, "
-          f"width {cfg.n_embd}, dropout {cfg.dropout}  [{machine()}]")
-    ref = reference_step(model, inputs, seed=0)
-    rows = [run_strategy(model, inputs, "keep_all", None, reference=ref)]
+          f"width {cfg.n_embd}, dropout {cfg.dropout}, {cfg.attention} attention, fused attention: "
+          f"{a.fused_attention}  [{machine()}]")
+    fused = a.fused_attention
+    ref = reference_step(model, inputs, seed=0, fused_attention=fused)
+    rows = [run_strategy(model, inputs, "keep_all", None, reference=ref, fused_attention=fused)]
     keep_peak = rows[0].measured_peak_bytes
     budget = int(a.budget_mib * MiB) if a.budget_mib else int(a.budget_frac * keep_peak)
     print(f"keep_all measured peak {keep_peak / MiB:.2f} MiB; budget {budget / MiB:.2f} MiB")
     notes = []
     for strategy in ("equal_spacing", "checkmate"):
         try:
-            rows.append(run_strategy(model, inputs, strategy, budget, reference=ref, time_limit_s=a.time_limit))
+            rows.append(run_strategy(model, inputs, strategy, budget, reference=ref, time_limit_s=a.time_limit,
+                                     fused_attention=fused))
         except InfeasibleBudgetError as e:
             notes.append(f"{strategy}: infeasible: {e}")
     print(format_table(rows, keep_peak))
@@ -64,7 +74,7 @@ def demo(a: argparse.Namespace) -> int:
 
     cm = [r for r in rows if r.strategy == "checkmate"]
     if a.steps > 0 and cm:
-        opt = optimize(model, example_inputs=inputs, plan=cm[0].plan)  # the plan just solved
+        opt = optimize(model, example_inputs=inputs, plan=cm[0].plan, fused_attention=fused)  # the plan just solved
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for _ in range(a.steps):
@@ -87,9 +97,9 @@ def plan_cmd(a: argparse.Namespace) -> int:
     cfg = _config(a)
     model = default_model(cfg)
     inputs = default_inputs(cfg)
-    keep = run_strategy(model, inputs, "keep_all", None).measured_peak_bytes
+    keep = run_strategy(model, inputs, "keep_all", None, fused_attention=a.fused_attention).measured_peak_bytes
     budget = int(a.budget_mib * MiB) if a.budget_mib else int(a.budget_frac * keep)
-    graph = capture(model, inputs)
+    graph = capture(model, inputs, fused_attention=a.fused_attention)
     try:
         plan = solve(graph, budget, solver=a.solver, time_limit_s=a.time_limit)
     except InfeasibleBudgetError as e:

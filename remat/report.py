@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from remat.api import optimize
 from remat.measure import count_flops, measure_peak
+from remat.runtime.attention import fused_attention_mode, route_attention
 from remat.solver.plan import Plan
 
 __all__ = ["StrategyRow", "training_step", "run_strategy", "format_table", "reference_step"]
@@ -61,29 +62,53 @@ def training_step(module: nn.Module, params: Sequence[torch.Tensor], inputs: Seq
     return step
 
 
-def reference_step(model: nn.Module, inputs: Sequence, seed: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-    """The unmodified model's loss, gradients and FLOPs for `seed`."""
+def reference_step(model: nn.Module, inputs: Sequence, seed: int, fused_attention: bool | str = True
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The unmodified model's loss and gradients for `seed`, and the FLOPs of a step that
+    recomputes nothing. With fused_attention="all" the model runs eagerly with its attention fused
+    as the optimized module fuses it (the dropout masks then come from remat's generator: the
+    function the module must match).
+
+    The FLOPs are counted on the keep_all module of the same `fused_attention`, not on the eager
+    model: where attention is fused the two run different ops (the eager model computes the
+    scores the fused op replaces), and extra FLOPs are what a plan adds to a step without
+    recomputation."""
     params = list(model.parameters())
     step = training_step(model, params, inputs)
+    if fused_attention_mode(fused_attention) == "all":
+        step = _routed(step, model)
     step.fresh()
     torch.manual_seed(seed)
     loss = step().detach().clone()
     grads = [p.grad.detach().clone() for p in params]
     step.fresh()
-    flops = count_flops(step)
-    step.fresh()
+    keep_all = optimize(model, budget_bytes=2**62, example_inputs=tuple(inputs), solver="keep_all",
+                        fused_attention=fused_attention)
+    plain = training_step(keep_all, params, inputs)
+    flops = count_flops(plain)
+    plain.fresh()
     return loss, grads, flops
+
+
+def _routed(step: Callable, model: nn.Module) -> Callable:
+    def routed():
+        with route_attention("all", model):
+            return step()
+
+    routed.fresh = step.fresh  # type: ignore[attr-defined]
+    return routed
 
 
 def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes: int | None, *,
                  reference: tuple[torch.Tensor, list[torch.Tensor], int] | None = None,
                  plan: Plan | None = None, time_limit_s: float = 60.0, seed: int = 0,
-                 device: str | torch.device | None = None) -> StrategyRow:
+                 device: str | torch.device | None = None, fused_attention: bool | str = True) -> StrategyRow:
     """Optimize `model` with `strategy` under `budget_bytes` (None: no budget, keep_all only),
     then measure a real step: peak memory, FLOPs, time and gradients against `reference`."""
     t0 = time.perf_counter()
     opt = optimize(model, budget_bytes=budget_bytes if budget_bytes is not None else 2**62,
-                   example_inputs=tuple(inputs), solver=strategy, time_limit_s=time_limit_s, plan=plan)
+                   example_inputs=tuple(inputs), solver=strategy, time_limit_s=time_limit_s, plan=plan,
+                   fused_attention=fused_attention)
     solve_wall = time.perf_counter() - t0
     params = list(model.parameters())
     step = training_step(opt, params, inputs)

@@ -1,11 +1,21 @@
 """Route attention to remat's fused flash-attention op while a training step is traced.
 
-Inside `route_attention()`, every call of `F.scaled_dot_product_attention` that the fused op can
-take (no explicit mask, no dropout, 4-D q/k/v, head dim <= 128) becomes one
+Inside `route_attention()`, attention the fused op can take becomes one
 `torch.ops.remat.flash_attention` node, whose autograd formula saves only the output and the
-per-row log-sum-exp: no s x s tensor lives across the step. The op runs the Triton kernels on
-CUDA and PyTorch code computing the same values on CPU, so a plan made on CPU describes the GPU
-graph too. Anything else passes through untouched.
+per-row log-sum-exp: no s x s tensor lives across the step. Two spellings are recognised:
+
+* `F.scaled_dot_product_attention` without an explicit mask or dropout;
+* the explicit softmax(Q K^T * scale [masked causal]) V chain (see `attention_pattern`), without
+  dropout on the probabilities.
+
+With `fuse_dropout=True` both spellings are also fused when their probabilities go through dropout:
+the op then drops them with its own hashed mask (`attention_dropout`), drawn from a seed that
+torch's generator provides. The distribution is the same as torch's dropout, the masks are not, so
+this is opt-in: without it the optimized module computes bit for bit what the model computes.
+
+q/k/v must be 4-D (B, H, S, D) with one dtype and head dim <= 128. The op runs the Triton kernels
+on CUDA and PyTorch code computing the same values on CPU, so a plan made on CPU describes the GPU
+graph too. Anything else passes through untouched, and the router records why.
 """
 from __future__ import annotations
 
@@ -18,9 +28,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat.runtime import triton_attention
+from remat.runtime.attention_dropout import draw_seed
+from remat.runtime.attention_pattern import ExplicitAttentionTracker
 from remat.runtime.triton_attention import flash_attention
 
-__all__ = ["route_attention", "AttentionRouter"]
+__all__ = ["route_attention", "AttentionRouter", "fused_attention_mode"]
 
 
 # FLOPs of the fused op, counted as PyTorch counts SDPA (so FlopCounterMode and the cost model
@@ -35,49 +47,102 @@ def _flash_bwd_flops(dout_shape, q_shape, k_shape, v_shape, *args, out_shape=Non
     return sdpa_backward_flop_count(dout_shape, q_shape, k_shape, v_shape)
 
 
+def _shape_reason(q, k, v) -> str | None:
+    """Why the fused op cannot take q/k/v, or None."""
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (q, k, v)):
+        return "q/k/v are not (B, H, S, D)"
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}"
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]) or q.shape[-1] > triton_attention.TRITON_MAX_HEAD_DIM:
+        return f"head dims {q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]}"
+    if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[1:3] != v.shape[1:3] \
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}"
+    return None
+
+
 class AttentionRouter(TorchFunctionMode):
     """Counts what it routed and what it let through (with the reason), for reports."""
 
-    def __init__(self):
+    def __init__(self, model: torch.nn.Module | None = None, fuse_dropout: bool = False):
         super().__init__()
         self.routed = 0
         self.passed: list[str] = []
+        self.fuse_dropout = fuse_dropout
+        self.explicit = ExplicitAttentionTracker(fuse_dropout)
+        if model is not None:
+            self.explicit.watch_buffers(model)
 
-    def _reason(self, args, kwargs) -> str | None:
+    def _sdpa_reason(self, args, kwargs) -> str | None:
         q, k, v = args[:3]
         mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         if mask is not None:
             return "explicit attn_mask"
-        if dropout:
-            return f"dropout_p={dropout}"
-        if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (q, k, v)):
-            return "q/k/v are not (B, H, S, D)"
-        if q.shape[-1] > triton_attention.TRITON_MAX_HEAD_DIM or not q.dtype.is_floating_point:
-            return f"head dim {q.shape[-1]} / dtype {q.dtype}"
-        if q.shape[1] % k.shape[1] and not kwargs.get("enable_gqa", False):
+        if dropout and not self.fuse_dropout:
+            return f"dropout_p={dropout} (fuse_dropout is off)"
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
+                and q.shape[1] != k.shape[1] and not kwargs.get("enable_gqa", False):
             return "head counts"
-        return None
+        return _shape_reason(q, k, v)
+
+    def _route(self, q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed=None) -> torch.Tensor:
+        self.routed += 1
+        return flash_attention(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            reason = self._reason(args, kwargs)
+            reason = self._sdpa_reason(args, kwargs)
             if reason is None:
                 q, k, v = args[:3]
                 causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
                 scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
-                self.routed += 1
-                return flash_attention(q, k, v, causal=causal,
-                                       scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+                dropout = float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
+                return self._route(q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+                                   dropout, draw_seed(q.device) if dropout > 0 else None)
+            self.passed.append(f"scaled_dot_product_attention: {reason}")
+            return func(*args, **kwargs)
+        closing = self.explicit.final(func, args, kwargs)
+        if closing is not None:
+            chain, v = closing
+            reason = (f"dropout p={chain.dropout_p} on the probabilities (fuse_dropout is off)"
+                      if chain.dropout_p > 0 and chain.seed is None else _shape_reason(chain.q, chain.k, v))
+            if reason is None:
+                # the scores/softmax chain traced so far is now unused: dead code in the graph
+                return self._route(chain.q, chain.k, v, chain.causal, chain.scale, chain.dropout_p, chain.seed)
+            self.passed.append(f"explicit attention: {reason}")
+        replaced = self.explicit.replace_dropout(func, args, kwargs)
+        if replaced is not None:
+            return replaced
+        out = func(*args, **kwargs)
+        self.explicit.replay_mask_op(func, args, kwargs, out)
+        reason = self.explicit.step(func, args, kwargs, out)
+        if reason is not None:
             self.passed.append(reason)
-        return func(*args, **kwargs)
+        return out
+
+
+def fused_attention_mode(value: bool | str) -> str:
+    """Normalise the `fused_attention` option to "off", "exact" or "all"."""
+    modes = {False: "off", True: "exact", "off": "off", "exact": "exact", "all": "all"}
+    if not isinstance(value, (bool, str)) or value not in modes:
+        raise ValueError(f"fused_attention must be True, False, 'exact', 'all' or 'off', got {value!r}")
+    return modes[value]
 
 
 @contextmanager
-def route_attention(enabled: bool = True):
-    if not enabled:
+def route_attention(enabled: bool | str = True, model: torch.nn.Module | None = None):
+    """Route attention while tracing. `enabled`: True (or "exact") fuses attention without dropout
+    on its probabilities, "all" fuses attention with dropout too (see the module doc), False
+    nothing. Pass the `model` so that causal-mask buffers it holds are recognised."""
+    mode = fused_attention_mode(enabled)
+    if mode == "off":
         yield None
         return
-    with AttentionRouter() as router:
-        yield router
+    router = AttentionRouter(model, fuse_dropout=mode == "all")
+    try:
+        with router:
+            yield router
+    finally:
+        router.explicit.close()

@@ -20,11 +20,16 @@ module imports and works (reference path only) without it.
 
 Public API::
 
-    flash_attention(q, k, v, causal=False, scale=None) -> out
-    flash_attention_with_lse(q, k, v, causal=False, scale=None) -> (out, lse)
-    torch.ops.remat.flash_attention(q, k, v, causal: bool, scale: float) -> (out, lse)
-    torch.ops.remat.flash_attention_backward(dout, q, k, v, out, lse, dlse: Tensor?, causal, scale)
-        -> (dq, dk, dv)
+    flash_attention(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=None) -> out
+    flash_attention_with_lse(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=None) -> (out, lse)
+    torch.ops.remat.flash_attention(q, k, v, causal: bool, scale: float, dropout_p=0.0, seed: Tensor?=None)
+        -> (out, lse)
+    torch.ops.remat.flash_attention_backward(dout, q, k, v, out, lse, dlse: Tensor?, causal, scale,
+        dropout_p=0.0, seed: Tensor?=None) -> (dq, dk, dv)
+
+Attention dropout (``dropout_p > 0``) drops the probabilities with a counter-based hash of
+``(seed, head, row, column)`` (``attention_dropout``), so the backward regenerates the forward's
+mask tile by tile and nothing of size ``Sq x Sk`` is stored; the CPU path uses the same hash.
     reference_attention_forward / reference_attention_backward  (the PyTorch fallback)
     use_triton(t) -> bool, set_triton_mode("auto" | "never" | "always"), triton_available()
 """
@@ -35,6 +40,9 @@ import os
 from typing import Optional
 
 import torch
+
+from remat.runtime import attention_dropout
+from remat.runtime.attention_dropout import dropout_keep_mask, dropout_threshold
 
 __all__ = [
     "flash_attention",
@@ -128,14 +136,14 @@ def use_triton(t: torch.Tensor) -> bool:
 # are patched by the interpreter at launch.  Compiled code is the same either way.
 # --------------------------------------------------------------------------------------------
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, SEED,
     s_qz, s_qh, s_qm, s_qd,
     s_kz, s_kh, s_kn, s_kd,
     s_vz, s_vh, s_vn, s_vd,
     s_oz, s_oh, s_om, s_od,
-    H, GROUP, SQ, SK, qk_scale_log2,
+    H, GROUP, SQ, SK, qk_scale_log2, DROP_THRESH, DROP_SCALE,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -166,6 +174,8 @@ def _attn_fwd_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
+    if DROPOUT:
+        seed = tl.load(SEED)
     diag = SK - SQ  # key j visible to query i iff j <= i + diag (causal)
     if CAUSAL:
         hi = tl.minimum(SK, start_m + BLOCK_M + diag)
@@ -192,12 +202,16 @@ def _attn_fwd_kernel(
         v = tl.load(v_ptrs + start_n * s_vn, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
         if DOT_FP32:
             v = v.to(tl.float32)
+        if DROPOUT:  # the row sum l_i keeps the undropped p: dropout acts after the softmax
+            p = tl.where(dropout_keep_tl(seed, pid_bh, offs_m[:, None], offs_n[None, :], SQ, DROP_THRESH), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if DROPOUT:
+        out = out * DROP_SCALE
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
 
     o_ptrs = O + b * s_oz + h * s_oh + start_m.to(tl.int64) * s_om \
@@ -231,16 +245,16 @@ def _attn_bwd_preprocess_kernel(
 
 
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, SEED,
     s_qz, s_qh, s_qm, s_qd,
     s_kz, s_kh, s_kn, s_kd,
     s_vz, s_vh, s_vn, s_vd,
     s_dz, s_dh, s_dm, s_dd,
     s_dkz, s_dkh, s_dkn, s_dkd,
     s_dvz, s_dvh, s_dvn, s_dvd,
-    H, HKV, GROUP, SQ, SK, sm_scale, qk_scale_log2,
+    H, HKV, GROUP, SQ, SK, sm_scale, qk_scale_log2, DROP_THRESH, DROP_SCALE,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (key block, batch, kv head): loops over the query heads of the group and
     over query blocks, accumulating dK and dV in fp32 registers (no atomics)."""
@@ -268,6 +282,8 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
 
+    if DROPOUT:
+        seed = tl.load(SEED)
     diag = SK - SQ
     if CAUSAL:
         lo = tl.maximum(start_n - diag, 0)
@@ -301,8 +317,13 @@ def _attn_bwd_dkdv_kernel(
             else:
                 mask = m_valid[None, :] & n_valid[:, None]
             pt = tl.where(mask, tl.math.exp2(st - lse[None, :]), 0.0)
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PREC)
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+            if DROPOUT:  # out = (keep * p / (1 - drop)) @ v: the same mask scales dV's p and dP
+                keep = dropout_keep_tl(seed, bh, offs_m[None, :], offs_n[:, None], SQ, DROP_THRESH)
+                dv = tl.dot((tl.where(keep, pt, 0.0) * DROP_SCALE).to(do.dtype), do, dv, input_precision=PREC)
+                dpt = tl.where(keep, dpt * DROP_SCALE, 0.0)
+            else:
+                dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PREC)
             dst = pt * (dpt - delta[None, :])
             dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PREC)
 
@@ -314,15 +335,15 @@ def _attn_bwd_dkdv_kernel(
 
 
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, SEED,
     s_qz, s_qh, s_qm, s_qd,
     s_kz, s_kh, s_kn, s_kd,
     s_vz, s_vh, s_vn, s_vd,
     s_dz, s_dh, s_dm, s_dd,
     s_dqz, s_dqh, s_dqm, s_dqd,
-    H, GROUP, SQ, SK, sm_scale, qk_scale_log2,
+    H, GROUP, SQ, SK, sm_scale, qk_scale_log2, DROP_THRESH, DROP_SCALE,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query block, batch, query head): loops over key blocks."""
     pid_m = tl.program_id(0)
@@ -354,6 +375,8 @@ def _attn_bwd_dq_kernel(
     kt_ptrs = K + b * s_kz + hk * s_kh + offs_n0[None, :] * s_kn + offs_d[:, None] * s_kd
     vt_ptrs = V + b * s_vz + hk * s_vh + offs_n0[None, :] * s_vn + offs_d[:, None] * s_vd
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    if DROPOUT:
+        seed = tl.load(SEED)
 
     diag = SK - SQ
     if CAUSAL:
@@ -375,6 +398,9 @@ def _attn_bwd_dq_kernel(
             mask = m_valid[:, None] & n_valid[None, :]
         p = tl.where(mask, tl.math.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, vt, input_precision=PREC)
+        if DROPOUT:
+            keep = dropout_keep_tl(seed, pid_bh, offs_m[:, None], offs_n[None, :], SQ, DROP_THRESH)
+            dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PREC)
 
@@ -421,6 +447,9 @@ def _get_kernels(interpret: bool, fp32: bool = False) -> dict:
         return _KERNEL_CACHE[key]
     if not triton_available():
         raise RuntimeError("triton is not available")
+    # the kernels resolve dropout_keep_tl from this module's globals when they are compiled
+    attention_dropout.tl = tl
+    globals()["dropout_keep_tl"] = triton.jit(attention_dropout.dropout_keep_tl)
     ks = {"pre": triton.jit(_attn_bwd_preprocess_kernel, do_not_specialize=_NO_SPECIALIZE["pre"])}
     for name, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("dq", _attn_bwd_dq_kernel)):
         jitted = triton.jit(fn, do_not_specialize=_NO_SPECIALIZE[name])
@@ -478,7 +507,15 @@ class _DeviceCtx:
         return False
 
 
-def _triton_forward(q, k, v, causal: bool, scale: float):
+def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor], dummy: torch.Tensor) -> tuple:
+    """(SEED pointer, DROP_THRESH, DROP_SCALE) kernel args and the DROPOUT flag."""
+    if dropout_p > 0.0:
+        return (seed.to(device=dummy.device, dtype=torch.int64).reshape(()), dropout_threshold(dropout_p),
+                1.0 / (1.0 - dropout_p)), True
+    return (dummy, 0, 1.0), False
+
+
+def _triton_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed=None):
     interpret = interpret_mode()
     fp32 = q.dtype == torch.float32
     kern = _get_kernels(interpret, fp32)
@@ -487,15 +524,18 @@ def _triton_forward(q, k, v, causal: bool, scale: float):
     out = torch.empty((B, H, SQ, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, SQ), dtype=torch.float32, device=q.device)
     dot_fp32 = interpret and q.dtype == torch.bfloat16
-    meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_FP32=dot_fp32, PREC=_prec(q.dtype))
-    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            H, H // HKV, SQ, SK, scale * _LOG2E)
+    (seed_t, thresh, drop_scale), dropout = _dropout_args(dropout_p, seed, lse)
+    meta = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal), DOT_FP32=dot_fp32, PREC=_prec(q.dtype),
+                DROPOUT=dropout)
+    args = (q, k, v, out, lse, seed_t, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            H, H // HKV, SQ, SK, scale * _LOG2E, thresh, drop_scale)
     with _DeviceCtx(q):
         _launch(kern["fwd"], "fwd", interpret, fp32, SQ, B * H, args, meta)
     return out, lse
 
 
-def _triton_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float):
+def _triton_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float, dropout_p: float = 0.0,
+                     seed=None):
     interpret = interpret_mode()
     fp32 = q.dtype == torch.float32
     kern = _get_kernels(interpret, fp32)
@@ -517,14 +557,16 @@ def _triton_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float):
         if dlse is not None:
             # d lse_i / d s_ij = p_ij, so a gradient flowing into lse shifts delta by -dlse.
             delta = delta - dlse.to(torch.float32)
-        meta = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_FP32=dot_fp32, PREC=_prec(q.dtype))
+        (seed_t, thresh, drop_scale), dropout = _dropout_args(dropout_p, seed, lse)
+        meta = dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, CAUSAL=bool(causal), DOT_FP32=dot_fp32, PREC=_prec(q.dtype),
+                    DROPOUT=dropout)
         common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
         _launch(kern["dkdv"], "dkdv", interpret, fp32, SK, B * HKV,
-                (q, k, v, dout, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
-                 H, HKV, H // HKV, SQ, SK, scale, scale * _LOG2E), meta)
+                (q, k, v, dout, lse, delta, dk, dv, seed_t, *common, *dk.stride(), *dv.stride(),
+                 H, HKV, H // HKV, SQ, SK, scale, scale * _LOG2E, thresh, drop_scale), meta)
         _launch(kern["dq"], "dq", interpret, fp32, SQ, B * H,
-                (q, k, v, dout, lse, delta, dq, *common, *dq.stride(),
-                 H, H // HKV, SQ, SK, scale, scale * _LOG2E), meta)
+                (q, k, v, dout, lse, delta, dq, seed_t, *common, *dq.stride(),
+                 H, H // HKV, SQ, SK, scale, scale * _LOG2E, thresh, drop_scale), meta)
     return dq, dk, dv
 
 
@@ -557,7 +599,13 @@ def _causal_mask(i0: int, i1: int, sq: int, sk: int, device) -> torch.Tensor:
     return cols <= rows + (sk - sq)
 
 
-def reference_attention_forward(q, k, v, causal: bool, scale: float):
+def _keep_chunk(seed, B: int, H: int, HKV: int, SQ: int, i0: int, i1: int, SK: int, dropout_p: float, acc):
+    """The dropout keep mask of query rows [i0, i1), scaled by 1/(1-p), as (B, HKV, G, c, SK)."""
+    keep = dropout_keep_mask(seed, (B, H), SQ, (i0, i1), SK, dropout_p)
+    return (keep.to(acc) * (1.0 / (1.0 - dropout_p))).view(B, HKV, H // HKV, i1 - i0, SK)
+
+
+def reference_attention_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed=None):
     """Chunked PyTorch forward: ``(out like q, lse (B, Hq, Sq) fp32, fp64 for fp64 inputs)``."""
     B, H, SQ, D = q.shape
     HKV, SK = k.shape[1], k.shape[2]
@@ -579,12 +627,15 @@ def reference_attention_forward(q, k, v, causal: bool, scale: float):
         m = torch.logsumexp(s, dim=-1)  # -inf for rows that see nothing
         m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m_safe[..., None])
+        if dropout_p > 0.0:
+            p = p * _keep_chunk(seed, B, H, HKV, SQ, i0, i1, SK, dropout_p, acc)
         out5[..., i0:i1, :] = torch.matmul(p, vf).to(q.dtype)
         lse4[..., i0:i1] = m.to(lse.dtype)
     return out, lse
 
 
-def reference_attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float):
+def reference_attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float,
+                                 dropout_p: float = 0.0, seed=None):
     """Chunked PyTorch backward from ``q, k, v, out, lse, dout`` (scores recomputed)."""
     B, H, SQ, D = q.shape
     HKV, SK = k.shape[1], k.shape[2]
@@ -611,8 +662,13 @@ def reference_attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, sc
         if causal:
             s = s.masked_fill(~_causal_mask(i0, i1, SQ, SK, q.device), float("-inf"))
         p = torch.exp(s - lsef[..., i0:i1, None])  # masked entries: exp(-inf) = 0
-        dv += torch.matmul(p.transpose(-1, -2), doc).sum(2)
         dp = torch.matmul(doc, vf.transpose(-1, -2))
+        if dropout_p > 0.0:  # out = (keep * p / (1 - drop)) @ v
+            keep = _keep_chunk(seed, B, H, HKV, SQ, i0, i1, SK, dropout_p, acc)
+            dv += torch.matmul((p * keep).transpose(-1, -2), doc).sum(2)
+            dp = dp * keep
+        else:
+            dv += torch.matmul(p.transpose(-1, -2), doc).sum(2)
         ds = p * (dp - delta[..., i0:i1, None])
         dq5[..., i0:i1, :] = (torch.matmul(ds, kf) * scale).to(q.dtype)
         dk += torch.matmul(ds.transpose(-1, -2), qc).sum(2) * scale
@@ -622,7 +678,7 @@ def reference_attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, sc
 # --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
-def _check(q, k, v):
+def _check(q, k, v, dropout_p: float = 0.0, seed=None):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("flash_attention expects 4-d tensors q (B,Hq,Sq,D), k/v (B,Hkv,Sk,D)")
     B, H, SQ, D = q.shape
@@ -632,6 +688,9 @@ def _check(q, k, v):
         raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({H})")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"dtype mismatch: {q.dtype}, {k.dtype}, {v.dtype}")
+    dropout_threshold(dropout_p)  # raises for p outside [0, 1)
+    if dropout_p > 0.0 and (seed is None or seed.numel() != 1 or seed.dtype != torch.int64):
+        raise ValueError("attention dropout needs a 1-element int64 seed tensor")
 
 
 def _use_triton_for(q, k) -> bool:
@@ -639,17 +698,18 @@ def _use_triton_for(q, k) -> bool:
 
 
 @torch.library.custom_op("remat::flash_attention", mutates_args=())
-def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                       dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(q, k, v)
+    _check(q, k, v, dropout_p, seed)
     if _use_triton_for(q, k):
-        return _triton_forward(q, k, v, causal, scale)
-    return reference_attention_forward(q, k, v, causal, scale)
+        return _triton_forward(q, k, v, causal, scale, dropout_p, seed)
+    return reference_attention_forward(q, k, v, causal, scale, dropout_p, seed)
 
 
 @flash_attention_op.register_fake
-def _flash_attention_fake(q, k, v, causal, scale):
-    _check(q, k, v)
+def _flash_attention_fake(q, k, v, causal, scale, dropout_p=0.0, seed=None):
+    _check(q, k, v, dropout_p, seed)
     B, H, SQ, D = q.shape
     return q.new_empty((B, H, SQ, D)), q.new_empty((B, H, SQ), dtype=_lse_dtype(q.dtype))
 
@@ -657,31 +717,35 @@ def _flash_attention_fake(q, k, v, causal, scale):
 @torch.library.custom_op("remat::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                                causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                causal: bool, scale: float, dropout_p: float = 0.0,
+                                seed: Optional[torch.Tensor] = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton_for(q, k) and lse.dtype == torch.float32:
-        return _triton_backward(dout, q, k, v, out, lse, dlse, causal, scale)
-    return reference_attention_backward(dout, q, k, v, out, lse, dlse, causal, scale)
+        return _triton_backward(dout, q, k, v, out, lse, dlse, causal, scale, dropout_p, seed)
+    return reference_attention_backward(dout, q, k, v, out, lse, dlse, causal, scale, dropout_p, seed)
 
 
 @flash_attention_backward_op.register_fake
-def _flash_attention_backward_fake(dout, q, k, v, out, lse, dlse, causal, scale):
+def _flash_attention_backward_fake(dout, q, k, v, out, lse, dlse, causal, scale, dropout_p=0.0, seed=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, dropout_p, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, seed)
     ctx.causal = causal
     ctx.scale = scale
+    ctx.dropout_p = dropout_p
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, seed = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.remat.flash_attention_backward(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = torch.ops.remat.flash_attention_backward(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale,
+                                                          ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None, None
 
 
 flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -691,17 +755,25 @@ flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
 # Public Python entry points
 # --------------------------------------------------------------------------------------------
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                             scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale [+ causal mask]) v and the per-row log-sum-exp (differentiable)."""
+                             scale: Optional[float] = None, dropout_p: float = 0.0,
+                             seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale [+ causal mask]) [dropped out] v and the per-row log-sum-exp of the
+    scores (differentiable). With ``dropout_p > 0`` the probabilities are dropped with the hashed
+    mask of ``seed`` (see ``attention_dropout``); a seed is drawn from torch's generator if none
+    is given."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.remat.flash_attention(q, k, v, bool(causal), float(scale))
+    if dropout_p > 0.0 and seed is None:
+        seed = attention_dropout.draw_seed(q.device)
+    return torch.ops.remat.flash_attention(q, k, v, bool(causal), float(scale), float(dropout_p),
+                                           seed if dropout_p > 0.0 else None)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    scale: Optional[float] = None) -> torch.Tensor:
-    """Fused attention ``softmax(q k^T * scale) v``; q (B,Hq,Sq,D), k/v (B,Hkv,Sk,D) -> (B,Hq,Sq,D).
-
-    ``scale`` defaults to ``1/sqrt(D)``; ``causal`` uses bottom-right alignment (see module doc).
+                    scale: Optional[float] = None, dropout_p: float = 0.0,
+                    seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Fused attention ``dropout(softmax(q k^T * scale)) v``; q (B,Hq,Sq,D), k/v (B,Hkv,Sk,D) ->
+    (B,Hq,Sq,D). ``scale`` defaults to ``1/sqrt(D)``; ``causal`` uses bottom-right alignment (see
+    module doc); ``dropout_p``/``seed`` as in :func:`flash_attention_with_lse`.
     """
-    return flash_attention_with_lse(q, k, v, causal, scale)[0]
+    return flash_attention_with_lse(q, k, v, causal, scale, dropout_p, seed)[0]

@@ -163,3 +163,15 @@ def test_conv_batchnorm_outputs_die_separately_and_predictions_hold():
                        time_limit_s=10)
     assert row.grads_match and row.measured_peak_bytes <= row.budget_bytes
     assert abs(row.measured_over_predicted - 1) <= 0.05, row
+
+
+def test_reference_flops_are_the_models_own_when_nothing_is_fused():
+    """reference_step counts FLOPs on a keep_all module; where no attention is fused that must be
+    exactly what the unmodified model runs."""
+    from remat.measure import count_flops
+    from remat.report import training_step
+
+    model, inputs = small_gpt()  # explicit attention with dropout: the default "exact" fuses none
+    eager = training_step(model, list(model.parameters()), inputs)
+    eager.fresh()
+    assert reference_step(model, inputs, seed=0)[2] == count_flops(eager) > 0

@@ -345,3 +345,82 @@ def test_import_and_fallback_without_triton():
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# attention dropout: the hashed mask, in the kernels and in the PyTorch path
+# ---------------------------------------------------------------------------------------------
+def ref_dropout_attention(q, k, v, causal, scale, p, seed):
+    """float64 softmax attention with the probabilities dropped by the op's hashed mask."""
+    from remat.runtime.attention_dropout import dropout_keep_mask
+
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~_mask(q.shape[2], k.shape[2]), float("-inf"))
+    B, H, SQ, SK = s.shape
+    keep = dropout_keep_mask(seed, (B, H), SQ, (0, SQ), SK, p)
+    return (torch.softmax(s, -1).nan_to_num(0.0) * keep / (1 - p)) @ v
+
+
+DROPOUT_CASES = [(1, 2, 2, 100, 100, 32, True), (2, 4, 2, 70, 90, 32, False), (1, 2, 1, 100, 60, 32, True)]
+
+
+@pytest.mark.parametrize("path", ["triton", "fallback"])
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_dropout_matches_fp64_with_the_same_mask(path, case):
+    if path == "triton":
+        _needs_interpreter()
+    else:
+        ta.set_triton_mode("never")
+    B, H, HK, SQ, SK, D, causal = case
+    q, k, v, do = _inputs(torch.float32, B, H, HK, SQ, SK, D, seed=11)
+    seed = torch.tensor(1234567, dtype=torch.int64)
+    fa = lambda q, k, v, c, s: flash_attention(q, k, v, c, s, dropout_p=0.2, seed=seed)  # noqa: E731
+    ref = lambda q, k, v, c, s: ref_dropout_attention(q, k, v, c, s, 0.2, seed)  # noqa: E731
+    res = _run(fa, q, k, v, do, causal, 0.3)
+    expect = _run(ref, q, k, v, do.double(), causal, 0.3)
+    err = _errors(res, expect)
+    assert max(err) < 5e-5, err
+    plain = _run(_fa, q, k, v, do, causal, 0.3)
+    assert (res[0] - plain[0]).abs().max() > 0.1  # dropout did something
+
+
+def test_dropout_mask_statistics_and_determinism():
+    from remat.runtime.attention_dropout import dropout_keep_mask
+
+    keep = dropout_keep_mask(torch.tensor(7), (2, 4), 256, (0, 256), 256, 0.1)
+    assert abs(keep.float().mean().item() - 0.9) < 0.005
+    # rows, columns and heads are not correlated: neighbours agree as often as chance says
+    for a, b in ((keep[..., 1:, :], keep[..., :-1, :]), (keep[..., 1:], keep[..., :-1]),
+                 (keep[:, 1:], keep[:, :-1])):
+        assert abs((a == b).float().mean().item() - (0.9**2 + 0.1**2)) < 0.01
+    assert torch.equal(keep[:, :, 100:130], dropout_keep_mask(torch.tensor(7), (2, 4), 256, (100, 130), 256, 0.1))
+    assert not torch.equal(keep, dropout_keep_mask(torch.tensor(8), (2, 4), 256, (0, 256), 256, 0.1))
+
+
+def test_dropout_gradcheck_and_opcheck():
+    ta.set_triton_mode("never")
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 4, 12, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 17, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 17, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    seed = torch.tensor(99, dtype=torch.int64)
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attention(q, k, v, True, 0.4, 0.3, seed), (q, k, v))
+    torch.library.opcheck(torch.ops.remat.flash_attention.default, (q, k, v, True, 0.4, 0.3, seed))
+    with pytest.raises(ValueError):
+        torch.ops.remat.flash_attention(q, k, v, True, 0.4, 0.3, None)
+    with pytest.raises(ValueError):
+        flash_attention(q, k, v, True, 0.4, 1.0, seed)
+
+
+def test_dropout_seed_from_torch_generator():
+    ta.set_triton_mode("never")
+    q, k, v, _ = _inputs(torch.float32, 1, 2, 2, 32, 32, 16, seed=13)
+    torch.manual_seed(5)
+    a = flash_attention(q, k, v, True, dropout_p=0.5)
+    b = flash_attention(q, k, v, True, dropout_p=0.5)
+    torch.manual_seed(5)
+    assert torch.equal(a, flash_attention(q, k, v, True, dropout_p=0.5)) and not torch.equal(a, b)
