@@ -9,8 +9,11 @@ On a CUDA GPU (sized for an H200, < 5 minutes):
   2. TFLOP/s of the forward and of forward+backward, bf16, S in 1k/2k/4k/8k, d in 64/128,
      causal and not, against SDPA with the flash backend (triton.testing.do_bench);
      FLOPs: fwd = 4*B*H*S*S*D (halved when causal), bwd = 2.5 x fwd;
-  3. (hook) check_default_model: remat.optimize on the default GPT at 50% of its keep-all peak,
+  3. check_default_model: remat.optimize on the default GPT at 50% of its keep-all peak with
+     fused_attention="all" (its explicit attention, dropout included, runs the Triton kernels),
      measured torch.cuda.max_memory_allocated vs the plan's predicted peak.
+Correctness also covers attention dropout: the kernels against an fp32 reference that applies the
+same hashed mask (runtime/attention_dropout.py).
 Writes DIR/gpu_check.json and DIR/gpu_check.txt.  Without CUDA it exits with code 2.
 """
 from __future__ import annotations
@@ -68,6 +71,27 @@ def _sdpa(q, k, v, causal, backend=None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
+def _dropout_reference(q, k, v, causal, p, seed):
+    """softmax attention with the op's hashed dropout mask, in the inputs' dtype (GQA expanded)."""
+    from remat.runtime.attention_dropout import dropout_keep_mask
+
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        S = q.shape[2]
+        s = s.masked_fill(~torch_tril(S, q.device), float("-inf"))
+    B, H, SQ, SK = s.shape
+    keep = dropout_keep_mask(seed, (B, H), SQ, (0, SQ), SK, p)
+    return (s.softmax(-1) * keep * (1.0 / (1.0 - p))).to(v.dtype) @ v
+
+
+def torch_tril(S, device):
+    import torch
+
+    return torch.ones(S, S, dtype=torch.bool, device=device).tril()
+
+
 def _fwd_bwd(fn, q, k, v, do):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
@@ -86,9 +110,11 @@ def check_correctness(ta, rep: Report, quick: bool) -> list[dict]:
         ("fp16 d64 causal S=1000 (ragged)", torch.float16, 2, 8, 8, 1000, 64, True),
         ("bf16 d64 non-causal S=777 GQA 8/2", torch.bfloat16, 1, 8, 2, 777, 64, False),
         ("fp32 d64 causal S=513", torch.float32, 1, 4, 4, 513, 64, True),
+        ("bf16 d128 causal dropout 0.1", torch.bfloat16, 1, 8, 8, 1024, 128, True),
+        ("fp16 d64 non-causal dropout 0.2 GQA 8/2", torch.float16, 1, 8, 2, 777, 64, False),
     ]
     if quick:
-        cases = cases[:3]
+        cases = cases[:3] + cases[-1:]
     results = []
     rep.log("== correctness vs fp32 SDPA (max abs error) ==")
     rep.log(f"{'case':38s} {'tensor':6s} {'remat':>10s} {'sdpa-same-dtype':>16s}  verdict")
@@ -101,15 +127,29 @@ def check_correctness(ta, rep: Report, quick: bool) -> list[dict]:
             v = torch.randn(B, HK, S, D, device="cuda", dtype=dtype, generator=g)
             do = torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=g)
             assert ta.use_triton(q), "use_triton() is False on this CUDA tensor"
-            ours = _fwd_bwd(lambda q, k, v: ta.flash_attention(q, k, v, causal=causal), q, k, v, do)
+            pdrop = float(name.split("dropout ")[1].split()[0]) if "dropout" in name else 0.0
+            seed = torch.tensor(20261129, dtype=torch.int64, device="cuda")
+            ours = _fwd_bwd(lambda q, k, v: ta.flash_attention(q, k, v, causal=causal, dropout_p=pdrop, seed=seed),
+                            q, k, v, do)
+            if pdrop > 0:  # reference: the same mask, spelled out (fp32), and in the inputs' dtype
+                def reference(q, k, v):
+                    return _dropout_reference(q, k, v, causal, pdrop, seed)
+
+                def baseline(q, k, v):
+                    return _dropout_reference(q, k, v, causal, pdrop, seed)
+            else:
+                def reference(q, k, v):
+                    return _sdpa(q, k, v, causal, SDPBackend.MATH)
+
+                def baseline(q, k, v):
+                    return _sdpa(q, k, v, causal)
             tf32 = torch.backends.cuda.matmul.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = False
             try:  # fp32 leaves, so the reference gradients are fp32 too
-                ref = _fwd_bwd(lambda q, k, v: _sdpa(q, k, v, causal, SDPBackend.MATH),
-                               q.float(), k.float(), v.float(), do.float())
+                ref = _fwd_bwd(reference, q.float(), k.float(), v.float(), do.float())
             finally:
                 torch.backends.cuda.matmul.allow_tf32 = tf32
-            base = _fwd_bwd(lambda q, k, v: _sdpa(q, k, v, causal), q, k, v, do)
+            base = _fwd_bwd(baseline, q, k, v, do)
             ok = True
             for tname, a, r, b in zip(("out", "dq", "dk", "dv"), ours, ref, base):
                 e = (a.float() - r.float()).abs().max().item()
@@ -209,9 +249,10 @@ def benchmark(ta, rep: Report, quick: bool, deadline: float) -> list[dict]:
 # 3. HOOK: the default model under a 50% budget
 # ----------------------------------------------------------------------------------------------
 def check_default_model(out_dir, time_limit_s: float = 45.0) -> dict:
-    """HOOK (end-to-end memory check): optimize remat.default_model.default_model() on CUDA at 50%
-    of its keep-all peak and report torch.cuda.max_memory_allocated of one training step against
-    the plan's predicted_peak_bytes.  Never raises: failures come back as {"status": "error"}."""
+    """End-to-end memory check: optimize remat.default_model.default_model() on CUDA at 50% of its
+    keep-all peak (both with fused_attention="all", so its explicit attention with dropout runs the
+    Triton kernels) and report torch.cuda.max_memory_allocated of one training step against the
+    plan's predicted_peak_bytes.  Never raises: failures come back as {"status": "error"}."""
     import torch
 
     res: dict = {"status": "skipped"}
@@ -221,6 +262,7 @@ def check_default_model(out_dir, time_limit_s: float = 45.0) -> dict:
         if not (hasattr(remat, "optimize") and hasattr(remat, "measure_peak")):
             return {"status": "skipped", "reason": "remat.optimize / remat.measure_peak not available"}
         from remat.default_model import default_inputs, default_model
+        from remat.runtime.attention import route_attention
 
         model = default_model().cuda()
         inputs = default_inputs(device="cuda")
@@ -231,15 +273,22 @@ def check_default_model(out_dir, time_limit_s: float = 45.0) -> dict:
                 m(*inputs).backward()
             return run
 
-        step(model)()  # warm up (cuBLAS workspaces, lazy inits)
+        with route_attention("all", model) as router:  # the model with its attention fused, eagerly
+            step(model)()  # also warms up (cuBLAS workspaces, lazy inits, Triton compiles)
+        fused_calls = router.routed
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        keep_all = int(remat.measure_peak(step(model), resident=[model, *inputs], device="cuda"))
+        keep_opt = remat.optimize(model, budget_bytes=2**62, example_inputs=inputs, solver="keep_all",
+                                  fused_attention="all")
+        step(keep_opt)()
+        model.zero_grad(set_to_none=True)
+        keep_all = int(remat.measure_peak(step(keep_opt), resident=[model, *inputs], device="cuda"))
         budget = keep_all // 2
         t0 = time.time()
         try:
-            opt = remat.optimize(model, budget_bytes=budget, example_inputs=inputs, time_limit_s=time_limit_s)
-        except TypeError:  # an optimize() without time_limit_s
+            opt = remat.optimize(model, budget_bytes=budget, example_inputs=inputs, time_limit_s=time_limit_s,
+                                 fused_attention="all")
+        except TypeError:  # an optimize() without time_limit_s / fused_attention
             opt = remat.optimize(model, budget_bytes=budget, example_inputs=inputs)
         solve_s = time.time() - t0
         step(opt)()  # warm up the optimized module
@@ -254,7 +303,10 @@ def check_default_model(out_dir, time_limit_s: float = 45.0) -> dict:
         max_alloc = int(torch.cuda.max_memory_allocated())
         predicted = int(opt.plan.predicted_peak_bytes)
         res = {
-            "status": "ok", "keep_all_peak_bytes": keep_all, "budget_bytes": budget,
+            "status": "ok", "fused_attention_calls": fused_calls,
+            "flash_nodes": sum(n.op.startswith("flash_attention") for n in opt.graph.nodes),
+            "keep_all_predicted_bytes": int(keep_opt.plan.predicted_peak_bytes),
+            "keep_all_peak_bytes": keep_all, "budget_bytes": budget,
             "predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
             "max_memory_allocated_bytes": max_alloc,
             "measured_over_predicted": measured / predicted if predicted else None,
@@ -321,7 +373,7 @@ def main(argv=None) -> int:
     dump()
     if not args.skip_model:
         rep.log("")
-        rep.log("== check_default_model (hook) ==")
+        rep.log("== default model at 50% of keep_all, fused_attention='all' ==")
         res = check_default_model(out)
         rep.data["default_model"] = res
         for key, val in res.items():

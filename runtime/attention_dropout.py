@@ -35,12 +35,14 @@ def dropout_threshold(p: float) -> int:
     return int(round(p * (1 << 24)))
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = (x * _H1) & M32  # int64 products wrap, but their low 32 bits are exact
-    x = x ^ (x >> 15)
-    x = (x * _H2) & M32
-    return x ^ (x >> 16)
+def _hash32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of int64 `x` holding 32-bit values, in place (one temporary at a time: the CPU
+    path builds a chunk's mask with it, and its scratch memory is part of the plan)."""
+    x.bitwise_xor_(x >> 16)
+    x.mul_(_H1).bitwise_and_(M32)  # int64 products wrap, but their low 32 bits are exact
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_H2).bitwise_and_(M32)
+    return x.bitwise_xor_(x >> 16)
 
 
 def dropout_keep_mask(seed: torch.Tensor | int, b_h: tuple[int, int], sq: int, rows: tuple[int, int], sk: int,
@@ -52,9 +54,9 @@ def dropout_keep_mask(seed: torch.Tensor | int, b_h: tuple[int, int], sq: int, r
     i = torch.arange(rows[0], rows[1], device=dev, dtype=torch.int64).view(1, 1, -1, 1)
     j = torch.arange(sk, device=dev, dtype=torch.int64).view(1, 1, 1, sk)
     seed = seed.to(device=dev, dtype=torch.int64) if isinstance(seed, torch.Tensor) else seed
-    r = _hash32((seed + bh * sq + i) & M32)
-    x = _hash32((r + j * _GOLDEN) & M32)
-    return (x >> 8) >= dropout_threshold(p)
+    r = _hash32_((seed + bh * sq + i).bitwise_and_(M32))  # (B, H, rows, 1)
+    x = _hash32_((r + j * _GOLDEN).bitwise_and_(M32))  # (B, H, rows, Sk)
+    return x.bitwise_right_shift_(8) >= dropout_threshold(p)
 
 
 def dropout_keep_tl(seed, bh, offs_m, offs_n, SQ, THRESH):

@@ -110,8 +110,11 @@ class ExplicitAttentionTracker:
         """Copy the model's small buffers now; when a module runs during tracing, map the traced
         buffer it sees to that copy (AOTAutograd swaps buffers for traced values)."""
         for mod in model.modules():
+            # masks are square in their last two dims; other buffers (running stats, rotary
+            # caches) are not copied
             small = {n: b.detach().to("cpu", copy=True) for n, b in mod._buffers.items()
-                     if b is not None and b.numel() <= _SHADOW_MAX_NUMEL and not b.dtype.is_complex}
+                     if b is not None and b.dim() >= 2 and b.shape[-1] == b.shape[-2]
+                     and b.numel() <= _SHADOW_MAX_NUMEL and not b.dtype.is_complex}
             if not small:
                 continue
             self._real_buffers[id(mod)] = small

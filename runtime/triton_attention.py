@@ -600,9 +600,15 @@ def _causal_mask(i0: int, i1: int, sq: int, sk: int, device) -> torch.Tensor:
 
 
 def _keep_chunk(seed, B: int, H: int, HKV: int, SQ: int, i0: int, i1: int, SK: int, dropout_p: float, acc):
-    """The dropout keep mask of query rows [i0, i1), scaled by 1/(1-p), as (B, HKV, G, c, SK)."""
-    keep = dropout_keep_mask(seed, (B, H), SQ, (i0, i1), SK, dropout_p)
-    return (keep.to(acc) * (1.0 / (1.0 - dropout_p))).view(B, HKV, H // HKV, i1 - i0, SK)
+    """The dropout keep mask of query rows [i0, i1), scaled by 1/(1-p), as (B, HKV, G, c, SK).
+    The int64 hash runs over a quarter of the rows at a time, so its scratch memory stays below
+    the chunk's scores (it is part of the op's measured workspace, hence of the plan)."""
+    keep = torch.empty((B, H, i1 - i0, SK), dtype=acc, device=seed.device)
+    step = max(1, (i1 - i0) // 4)
+    for r0 in range(i0, i1, step):
+        r1 = min(i1, r0 + step)
+        keep[:, :, r0 - i0:r1 - i0].copy_(dropout_keep_mask(seed, (B, H), SQ, (r0, r1), SK, dropout_p))
+    return keep.mul_(1.0 / (1.0 - dropout_p)).view(B, HKV, H // HKV, i1 - i0, SK)
 
 
 def reference_attention_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed=None):
@@ -621,14 +627,17 @@ def reference_attention_forward(q, k, v, causal: bool, scale: float, dropout_p: 
     chunk = _chunk_rows(SQ, SK, D)
     for i0 in range(0, SQ, chunk):
         i1 = min(SQ, i0 + chunk)
+        # the mask first, while no score-sized tensor is alive (its hash needs scratch memory)
+        keep = _keep_chunk(seed, B, H, HKV, SQ, i0, i1, SK, dropout_p, acc) if dropout_p > 0.0 else None
         s = torch.matmul(qf[..., i0:i1, :], kf.transpose(-1, -2)) * scale  # (B,HKV,G,c,SK)
         if causal:
             s = s.masked_fill(~_causal_mask(i0, i1, SQ, SK, q.device), float("-inf"))
         m = torch.logsumexp(s, dim=-1)  # -inf for rows that see nothing
         m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m_safe[..., None])
-        if dropout_p > 0.0:
-            p = p * _keep_chunk(seed, B, H, HKV, SQ, i0, i1, SK, dropout_p, acc)
+        del s
+        if keep is not None:
+            p.mul_(keep)
         out5[..., i0:i1, :] = torch.matmul(p, vf).to(q.dtype)
         lse4[..., i0:i1] = m.to(lse.dtype)
     return out, lse
@@ -658,15 +667,17 @@ def reference_attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, sc
     for i0 in range(0, SQ, chunk):
         i1 = min(SQ, i0 + chunk)
         qc, doc = qf[..., i0:i1, :], dof[..., i0:i1, :]
+        keep = _keep_chunk(seed, B, H, HKV, SQ, i0, i1, SK, dropout_p, acc) if dropout_p > 0.0 else None
         s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
         if causal:
             s = s.masked_fill(~_causal_mask(i0, i1, SQ, SK, q.device), float("-inf"))
         p = torch.exp(s - lsef[..., i0:i1, None])  # masked entries: exp(-inf) = 0
+        del s
         dp = torch.matmul(doc, vf.transpose(-1, -2))
-        if dropout_p > 0.0:  # out = (keep * p / (1 - drop)) @ v
-            keep = _keep_chunk(seed, B, H, HKV, SQ, i0, i1, SK, dropout_p, acc)
+        if keep is not None:  # out = (keep * p / (1 - drop)) @ v
             dv += torch.matmul((p * keep).transpose(-1, -2), doc).sum(2)
-            dp = dp * keep
+            dp.mul_(keep)
+            del keep
         else:
             dv += torch.matmul(p.transpose(-1, -2), doc).sum(2)
         ds = p * (dp - delta[..., i0:i1, None])
