@@ -176,3 +176,17 @@ def test_fused_attention_option_is_checked():
     model, inputs, _ = _gpt("sdpa")
     with pytest.raises(ValueError, match="fused_attention"):
         remat.capture(model, inputs, fused_attention="yes")
+
+
+def test_explicit_cross_attention_and_scores_used_elsewhere():
+    q = torch.randn(2, 4, 10, 8, requires_grad=True)
+    k, v = torch.randn(2, 4, 14, 8), torch.randn(2, 4, 14, 8)
+    with route_attention() as router:
+        out = F.softmax((q @ k.mT) * 0.5, dim=-1) @ v  # Sq != Sk, no mask
+    assert router.routed == 1
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, scale=0.5), atol=1e-6)
+    bias = torch.randn(10, 14)
+    with route_attention() as router:  # an additive bias is not the fused op's function
+        out = F.softmax((q @ k.mT) * 0.5 + bias, dim=-1) @ v
+    assert router.routed == 0
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.5), atol=1e-6)
