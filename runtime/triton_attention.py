@@ -432,6 +432,7 @@ _NO_SPECIALIZE = {
     "pre": ["H", "SQ"],
 }
 _KERNEL_CACHE: dict = {}
+_HELPER_CACHE: dict = {}  # interpret flag -> dropout_keep_tl jitted in that mode
 
 
 def _autotune_enabled() -> bool:
@@ -443,13 +444,17 @@ def _get_kernels(interpret: bool, fp32: bool = False) -> dict:
     Whether triton.jit builds interpreted or compiled kernels follows TRITON_INTERPRET."""
     tune = _autotune_enabled() and not interpret and not fp32
     key = (interpret, tune, fp32)
-    if key in _KERNEL_CACHE:
-        return _KERNEL_CACHE[key]
     if not triton_available():
         raise RuntimeError("triton is not available")
-    # the kernels resolve dropout_keep_tl from this module's globals when they are compiled
-    attention_dropout.tl = tl
-    globals()["dropout_keep_tl"] = triton.jit(attention_dropout.dropout_keep_tl)
+    # The kernels call dropout_keep_tl through this module's globals: the interpreter looks it up
+    # at each launch, compiled kernels when they compile (at their first launch), so it is set to
+    # the helper of the mode about to launch, every time.
+    if interpret not in _HELPER_CACHE:
+        attention_dropout.tl = tl
+        _HELPER_CACHE[interpret] = triton.jit(attention_dropout.dropout_keep_tl)
+    globals()["dropout_keep_tl"] = _HELPER_CACHE[interpret]
+    if key in _KERNEL_CACHE:
+        return _KERNEL_CACHE[key]
     ks = {"pre": triton.jit(_attn_bwd_preprocess_kernel, do_not_specialize=_NO_SPECIALIZE["pre"])}
     for name, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("dq", _attn_bwd_dq_kernel)):
         jitted = triton.jit(fn, do_not_specialize=_NO_SPECIALIZE[name])

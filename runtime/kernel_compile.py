@@ -1,0 +1,109 @@
+"""Compile the flash-attention kernels ahead of time for a GPU target, without a GPU.
+
+Triton ships ptxas, so `triton.compile` can take a kernel all the way to a cubin for, say, sm_90 on
+a machine with no CUDA device. That catches what the CPU interpreter cannot: type errors of the
+compiled language, layouts that do not lower, and tiles that overflow shared memory. Used by
+`tests/test_kernel_compile.py` (a few variants) and `benchmarks/compile_check.py` (every variant the
+GPU path can launch).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from remat.runtime import triton_attention as ta
+
+__all__ = ["KernelVariant", "CompileResult", "all_variants", "compile_variant", "SM90_SHARED_LIMIT"]
+
+SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200 (227 KiB)
+
+_POINTER_DTYPES = {"LSE": "*fp32", "DELTA": "*fp32", "SEED": "*i64"}
+_TENSOR_POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+_FLOAT_SCALARS = {"qk_scale_log2", "sm_scale", "DROP_SCALE"}
+_TL_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    kernel: str  # "fwd" | "dkdv" | "dq"
+    dtype: torch.dtype
+    head_dim: int
+    causal: bool
+    dropout: bool
+    config: tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+
+    def label(self) -> str:
+        bm, bn, w, st = self.config
+        return (f"{self.kernel:<4} {_TL_NAMES[self.dtype]} d{self.head_dim:<3} causal={int(self.causal)} "
+                f"dropout={int(self.dropout)} M{bm} N{bn} w{w} s{st}")
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    variant: KernelVariant
+    ok: bool
+    shared_bytes: int | None
+    seconds: float
+    error: str | None = None
+
+
+def all_variants(head_dims=(64, 128), dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[KernelVariant]:
+    """Every (kernel, dtype, head dim, causal, dropout, config) the GPU path can launch."""
+    out = []
+    for name, dtype, d, causal, dropout in itertools.product(("fwd", "dkdv", "dq"), dtypes, head_dims,
+                                                             (False, True), (False, True)):
+        configs = [ta._GPU_FP32_CONFIG[name]] if dtype == torch.float32 else ta._GPU_CONFIGS[name]
+        out.extend(KernelVariant(name, dtype, d, causal, dropout, c) for c in configs)
+    return out
+
+
+def _signature(fn, dtype: torch.dtype) -> dict[str, str]:
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in _TENSOR_POINTERS:
+            sig[arg] = "*" + _TL_NAMES[dtype]
+        elif arg in _POINTER_DTYPES:
+            sig[arg] = _POINTER_DTYPES[arg]
+        elif arg in _FLOAT_SCALARS:
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"  # strides, sizes, DROP_THRESH (constexprs are overwritten below)
+    return sig
+
+
+def compile_variant(v: KernelVariant, arch: int = 90) -> CompileResult:
+    """Compile one variant to a cubin for sm_<arch>; never raises."""
+    t0 = time.perf_counter()
+    interpret = os.environ.pop("TRITON_INTERPRET", None)  # triton.jit must build compiled kernels
+    try:
+        if not ta.triton_available():
+            raise RuntimeError("triton is not installed")
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        fn = ta._get_kernels(interpret=False, fp32=True)[v.kernel]  # plain jit functions, no autotuner
+        bm, bn, warps, stages = v.config
+        constexprs = dict(HEAD_DIM=v.head_dim, BLOCK_D=max(16, 1 << (v.head_dim - 1).bit_length()),
+                          CAUSAL=v.causal, DOT_FP32=False, PREC="ieee", DROPOUT=v.dropout, BLOCK_M=bm, BLOCK_N=bn)
+        sig = _signature(fn, v.dtype)
+        sig.update({k: "constexpr" for k in constexprs})
+        # torch allocations are 16-byte aligned: tell the compiler, as a real launch would
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
+        src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+        kernel = ta.triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                   options=dict(num_warps=warps, num_stages=stages))
+        shared = int(kernel.metadata.shared)
+        ok = shared <= SM90_SHARED_LIMIT
+        return CompileResult(v, ok, shared, time.perf_counter() - t0,
+                             None if ok else f"shared memory {shared} > {SM90_SHARED_LIMIT}")
+    except Exception as exc:  # report, do not stop the sweep
+        msg = str(exc).strip().splitlines()
+        return CompileResult(v, False, None, time.perf_counter() - t0,
+                             f"{type(exc).__name__}: {msg[0] if msg else ''}")
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret

@@ -1,0 +1,26 @@
+"""The Triton kernels compile for the GPU (sm_90) with Triton's own ptxas, no GPU needed: the
+interpreter tests check their math, this checks that the compiled language accepts them, for the
+variants with the most to go wrong (dropout's integer hash, causal, the largest tiles)."""
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: kernel compile check skipped")
+
+from remat.runtime import triton_attention as ta  # noqa: E402
+from remat.runtime.kernel_compile import SM90_SHARED_LIMIT, KernelVariant, compile_variant  # noqa: E402
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_kernels_compile_for_sm90_with_dropout(kernel):
+    v = KernelVariant(kernel, torch.bfloat16, 128, True, True, ta._GPU_CONFIGS[kernel][0])
+    r = compile_variant(v)
+    if r.error and ("ptxas" in r.error.lower() and "not found" in r.error.lower()):
+        pytest.skip(f"no ptxas in this triton install: {r.error}")
+    assert r.ok, r.error
+    assert 0 < r.shared_bytes <= SM90_SHARED_LIMIT
+
+
+def test_compile_check_reports_errors_instead_of_raising():
+    v = KernelVariant("fwd", torch.bfloat16, 128, True, False, (48, 64, 4, 3))  # tl.arange needs powers of 2
+    r = compile_variant(v)
+    assert not r.ok and "CompilationError" in r.error
