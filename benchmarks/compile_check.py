@@ -5,7 +5,8 @@
 For each kernel (forward, dK/dV, dQ), dtype (bf16, fp16, fp32), head dim, causal or not, attention
 dropout or not, and every launch config the GPU path can use (the autotuner's list; fp32's single
 config), Triton compiles the kernel to a cubin with its bundled ptxas. Printed per variant: the
-shared memory a block needs (against sm_90's 227 KiB) and the compile time. This checks that the
+shared memory a block needs (against sm_90's 227 KiB), registers per thread and stack bytes per
+thread (> 0: registers spill to local memory, a sign the config will be slow), compile time. This checks that the
 GPU path compiles; it says nothing about speed (benchmarks/gpu_check.py measures that on a GPU).
 """
 from __future__ import annotations
@@ -26,18 +27,21 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     lines = [f"machine: {machine()}", f"target: cuda sm_{a.arch}, shared memory limit {SM90_SHARED_LIMIT} bytes",
-             f"{'variant':<58} {'shared B':>9} {'compile s':>9}  result"]
+             f"{'variant':<58} {'shared B':>9} {'regs':>5} {'stack B':>7} {'compile s':>9}  result"]
     print("\n".join(lines), flush=True)
     rows = []
     for v in all_variants(head_dims=tuple(a.head_dims)):
         r = compile_variant(v, a.arch)
-        shared = "-" if r.shared_bytes is None else str(r.shared_bytes)
-        lines.append(f"{v.label():<58} {shared:>9} {r.seconds:>9.1f}  {'ok' if r.ok else 'FAIL ' + str(r.error)}")
+        shared, regs, stack = ("-" if x is None else str(x) for x in (r.shared_bytes, r.registers, r.stack_bytes))
+        lines.append(f"{v.label():<58} {shared:>9} {regs:>5} {stack:>7} {r.seconds:>9.1f}  "
+                     f"{'ok' if r.ok else 'FAIL ' + str(r.error)}")
         print(lines[-1], flush=True)
-        rows.append({"variant": v.label(), "ok": r.ok, "shared_bytes": r.shared_bytes, "seconds": r.seconds,
-                     "error": r.error})
+        rows.append({"variant": v.label(), "ok": r.ok, "shared_bytes": r.shared_bytes, "registers": r.registers,
+                     "stack_bytes": r.stack_bytes, "seconds": r.seconds, "error": r.error})
     failed = sum(not r["ok"] for r in rows)
-    lines.append(f"{len(rows) - failed}/{len(rows)} variants compiled within the shared-memory limit")
+    spills = sum(bool(r["stack_bytes"]) for r in rows)
+    lines.append(f"{len(rows) - failed}/{len(rows)} variants compiled within the shared-memory limit; "
+                 f"{spills} spill registers to the stack")
     print(lines[-1])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

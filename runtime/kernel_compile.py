@@ -2,7 +2,9 @@
 
 Triton ships ptxas, so `triton.compile` can take a kernel all the way to a cubin for, say, sm_90 on
 a machine with no CUDA device. That catches what the CPU interpreter cannot: type errors of the
-compiled language, layouts that do not lower, and tiles that overflow shared memory. Used by
+compiled language, layouts that do not lower, and tiles that overflow shared memory. The cubin's
+resource usage (registers per thread, stack bytes: register spills) comes from Triton's bundled
+cuobjdump, a static hint of where a kernel will be slow. Used by
 `tests/test_kernel_compile.py` (a few variants) and `benchmarks/compile_check.py` (every variant the
 GPU path can launch).
 """
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -49,6 +54,8 @@ class CompileResult:
     shared_bytes: int | None
     seconds: float
     error: str | None = None
+    registers: int | None = None  # per thread, from cuobjdump (None: not available)
+    stack_bytes: int | None = None  # per thread; > 0 means registers spill to local memory
 
 
 def all_variants(head_dims=(64, 128), dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[KernelVariant]:
@@ -75,6 +82,26 @@ def _signature(fn, dtype: torch.dtype) -> dict[str, str]:
     return sig
 
 
+def _is_unit_stride(arg: str) -> bool:
+    """s_qd, s_kd, s_dkd, ...: the stride of the head dimension."""
+    return arg.startswith("s_") and arg.endswith("d") and len(arg) >= 4
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) of the kernel in `cubin`, via the cuobjdump Triton ships."""
+    tool = os.path.join(os.path.dirname(ta.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None, None
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True,
+                              timeout=60).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+
+
 def compile_variant(v: KernelVariant, arch: int = 90) -> CompileResult:
     """Compile one variant to a cubin for sm_<arch>; never raises."""
     t0 = time.perf_counter()
@@ -89,17 +116,23 @@ def compile_variant(v: KernelVariant, arch: int = 90) -> CompileResult:
         bm, bn, warps, stages = v.config
         constexprs = dict(HEAD_DIM=v.head_dim, BLOCK_D=max(16, 1 << (v.head_dim - 1).bit_length()),
                           CAUSAL=v.causal, DOT_FP32=False, PREC="ieee", DROPOUT=v.dropout, BLOCK_M=bm, BLOCK_N=bn)
+        # Specialise as a launch on contiguous (B, H, S, D) tensors does: the head-dim strides are 1
+        # (Triton turns an int argument equal to 1 into a constant), pointers and the other
+        # strides are multiples of 16 (torch allocations are 16-byte aligned; rows hold D elements).
+        # Without this the compiler cannot prove loads contiguous and does not pipeline them.
+        constexprs.update({a: 1 for a in fn.arg_names if _is_unit_stride(a)})
         sig = _signature(fn, v.dtype)
         sig.update({k: "constexpr" for k in constexprs})
-        # torch allocations are 16-byte aligned: tell the compiler, as a real launch would
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if sig[a].startswith("*") or (a.startswith("s_") and sig[a] == "i32")}
         src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
         kernel = ta.triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                    options=dict(num_warps=warps, num_stages=stages))
         shared = int(kernel.metadata.shared)
         ok = shared <= SM90_SHARED_LIMIT
+        regs, stack = _resource_usage(kernel.asm["cubin"])
         return CompileResult(v, ok, shared, time.perf_counter() - t0,
-                             None if ok else f"shared memory {shared} > {SM90_SHARED_LIMIT}")
+                             None if ok else f"shared memory {shared} > {SM90_SHARED_LIMIT}", regs, stack)
     except Exception as exc:  # report, do not stop the sweep
         msg = str(exc).strip().splitlines()
         return CompileResult(v, False, None, time.perf_counter() - t0,

@@ -1,6 +1,7 @@
 """The Triton kernels compile for the GPU (sm_90) with Triton's own ptxas, no GPU needed: the
 interpreter tests check their math, this checks that the compiled language accepts them, for the
-variants with the most to go wrong (dropout's integer hash, causal, the largest tiles)."""
+variants with the most to go wrong (dropout's integer hash, causal, head dim 128), and that their
+default launch configs do not spill registers."""
 import pytest
 import torch
 
@@ -18,6 +19,8 @@ def test_kernels_compile_for_sm90_with_dropout(kernel):
         pytest.skip(f"no ptxas in this triton install: {r.error}")
     assert r.ok, r.error
     assert 0 < r.shared_bytes <= SM90_SHARED_LIMIT
+    if r.stack_bytes is not None:  # cuobjdump ran: the default config must not spill registers
+        assert r.stack_bytes == 0, f"{v.label()} spills {r.stack_bytes} bytes per thread"
 
 
 def test_compile_check_reports_errors_instead_of_raising():
