@@ -11,7 +11,9 @@ per-row log-sum-exp: no s x s tensor lives across the step. Two spellings are re
 With `fuse_dropout=True` both spellings are also fused when their probabilities go through dropout:
 the op then drops them with its own hashed mask (`attention_dropout`), drawn from a seed that
 torch's generator provides. The distribution is the same as torch's dropout, the masks are not, so
-this is opt-in: without it the optimized module computes bit for bit what the model computes.
+this is opt-in: without it, attention with dropout is left to the model's own code and the module
+draws exactly the model's random masks (fused attention without dropout computes the same
+function, up to floating-point rounding).
 
 q/k/v must be 4-D (B, H, S, D) with one dtype and head dim <= 128. The op runs the Triton kernels
 on CUDA and PyTorch code computing the same values on CPU, so a plan made on CPU describes the GPU
