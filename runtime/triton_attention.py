@@ -9,6 +9,9 @@ Causal masking uses the *bottom-right* alignment of FlashAttention-2: query row 
 same as ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``).  Rows that can see no
 key at all (``Sq > Sk`` with causal) produce a zero output, ``lse = -inf`` and zero gradients.
 
+Only tiles that cross the causal diagonal or the ends of ``Sq``/``Sk`` compute an element mask; the
+loops skip key (query) tiles no query (key) of the block can see.
+
 The op saves only ``q, k, v, out, lse`` for backward (``lse`` is the per-row log-sum-exp of the
 scaled scores, ``(B, Hq, Sq)``, fp32 -- fp64 for fp64 inputs); no ``Sq x Sk`` tensor is kept.
 
@@ -179,8 +182,10 @@ def _attn_fwd_kernel(
     diag = SK - SQ  # key j visible to query i iff j <= i + diag (causal)
     if CAUSAL:
         hi = tl.minimum(SK, start_m + BLOCK_M + diag)
+        full = tl.minimum(SK, start_m + diag + 1)  # keys below this are visible to every row
     else:
         hi = SK
+        full = SK
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_valid = offs_n < SK
@@ -188,11 +193,11 @@ def _attn_fwd_kernel(
         if DOT_FP32:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale_log2
-        if CAUSAL:
-            mask = n_valid[None, :] & (offs_n[None, :] <= offs_m[:, None] + diag)
-        else:
-            mask = n_valid[None, :] & (offs_m[:, None] >= 0)
-        s = tl.where(mask, s, float("-inf"))
+        if start_n + BLOCK_N > full:  # only tiles on the diagonal or past Sk need a mask
+            if CAUSAL:
+                s = tl.where(n_valid[None, :] & (offs_n[None, :] <= offs_m[:, None] + diag), s, float("-inf"))
+            else:
+                s = tl.where(n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: avoid inf - inf
         p = tl.math.exp2(s - m_safe[:, None])
@@ -288,8 +293,11 @@ def _attn_bwd_dkdv_kernel(
     if CAUSAL:
         lo = tl.maximum(start_n - diag, 0)
         lo = (lo // BLOCK_M) * BLOCK_M
+        full_from = start_n + BLOCK_N - 1 - diag  # query rows from here on see the whole key block
     else:
         lo = 0
+        full_from = 0
+    ragged_n = start_n + BLOCK_N > SK
 
     for g in range(0, GROUP):
         h = hk * GROUP + g
@@ -312,11 +320,14 @@ def _attn_bwd_dkdv_kernel(
             delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0)
 
             st = tl.dot(k, qt, input_precision=PREC) * qk_scale_log2  # [BLOCK_N, BLOCK_M]
-            if CAUSAL:
-                mask = m_valid[None, :] & n_valid[:, None] & (offs_n[:, None] <= offs_m[None, :] + diag)
-            else:
-                mask = m_valid[None, :] & n_valid[:, None]
-            pt = tl.where(mask, tl.math.exp2(st - lse[None, :]), 0.0)
+            pt = tl.math.exp2(st - lse[None, :])
+            # a mask only where the tile crosses the diagonal or the ends of Sq / Sk
+            if (start_m < full_from) | (start_m + BLOCK_M > SQ) | ragged_n:
+                if CAUSAL:
+                    mask = m_valid[None, :] & n_valid[:, None] & (offs_n[:, None] <= offs_m[None, :] + diag)
+                else:
+                    mask = m_valid[None, :] & n_valid[:, None]
+                pt = tl.where(mask, pt, 0.0)
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
             if DROPOUT:  # out = (keep * p / (1 - drop)) @ v: the same mask scales dV's p and dP
                 keep = dropout_keep_tl(seed, bh, offs_m[None, :], offs_n[:, None], SQ, DROP_THRESH)
@@ -381,8 +392,11 @@ def _attn_bwd_dq_kernel(
     diag = SK - SQ
     if CAUSAL:
         hi = tl.minimum(SK, start_m + BLOCK_M + diag)
+        full = tl.minimum(SK, start_m + diag + 1)  # keys below this are visible to every row
     else:
         hi = SK
+        full = SK
+    ragged_m = start_m + BLOCK_M > SQ
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_valid = offs_n < SK
@@ -392,11 +406,13 @@ def _attn_bwd_dq_kernel(
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale_log2
-        if CAUSAL:
-            mask = m_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= offs_m[:, None] + diag)
-        else:
-            mask = m_valid[:, None] & n_valid[None, :]
-        p = tl.where(mask, tl.math.exp2(s - lse[:, None]), 0.0)
+        p = tl.math.exp2(s - lse[:, None])
+        if (start_n + BLOCK_N > full) | ragged_m:  # only tiles on the diagonal or at the ends
+            if CAUSAL:
+                mask = m_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= offs_m[:, None] + diag)
+            else:
+                mask = m_valid[:, None] & n_valid[None, :]
+            p = tl.where(mask, p, 0.0)
         dp = tl.dot(do, vt, input_precision=PREC)
         if DROPOUT:
             keep = dropout_keep_tl(seed, pid_bh, offs_m[:, None], offs_n[None, :], SQ, DROP_THRESH)

@@ -424,3 +424,18 @@ def test_dropout_seed_from_torch_generator():
     b = flash_attention(q, k, v, True, dropout_p=0.5)
     torch.manual_seed(5)
     assert torch.equal(a, flash_attention(q, k, v, True, dropout_p=0.5)) and not torch.equal(a, b)
+
+
+def test_triton_small_blocks_many_unmasked_tiles():
+    """16 x 16 tiles: most tiles are off the diagonal and inside Sq/Sk, so the kernels skip their
+    masks there; results must not change (causal and not, dropout, GQA, ragged S)."""
+    _needs_interpreter()
+    ta.INTERPRET_BLOCKS.update({"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16), "pre": 16})
+    seed = torch.tensor(77, dtype=torch.int64)
+    for causal, (sq, sk), p in [(True, (70, 70), 0.0), (False, (70, 90), 0.0), (True, (90, 70), 0.0),
+                                (True, (70, 70), 0.25)]:
+        q, k, v, do = _inputs(torch.float32, 1, 4, 2, sq, sk, 16, seed=14)
+        fa = lambda q, k, v, c, s: flash_attention(q, k, v, c, s, dropout_p=p, seed=seed)  # noqa: E731
+        ref = lambda q, k, v, c, s: ref_dropout_attention(q, k, v, c, s, p, seed)  # noqa: E731
+        err = _errors(_run(fa, q, k, v, do, causal, 0.3), _run(ref, q, k, v, do.double(), causal, 0.3))
+        assert max(err) < 5e-5, (causal, sq, sk, p, err)
