@@ -190,3 +190,23 @@ def test_explicit_cross_attention_and_scores_used_elsewhere():
         out = F.softmax((q @ k.mT) * 0.5 + bias, dim=-1) @ v
     assert router.routed == 0
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.5), atol=1e-6)
+
+
+def test_recomputed_fused_attention_with_dropout_regenerates_its_masks():
+    """A plan that keeps no fused-attention output recomputes the op in the backward from its kept
+    seed: the module is still bit-identical to the eagerly fused model."""
+    from remat.solver.plan import plan_from_schedule
+    from remat.solver.schedule import schedule_from_kept
+
+    cfg = GPTConfig(**{**CFG, "attn_dropout": 0.1}, attention="explicit")
+    model, inputs = default_model(cfg), default_inputs(cfg)
+    g = remat.capture(model, inputs, fused_attention="all")
+    flash = {n.name for n in g.forward_nodes if n.op.startswith("flash_attention")}
+    kept = {n.name for n in g.forward_nodes} - flash
+    plan = plan_from_schedule(g, schedule_from_kept(g, kept), strategy="drop_attention", budget_bytes=None,
+                              status="heuristic")
+    assert flash <= set(plan.recomputed) and plan.extra_flops > 0
+    ref = reference_step(model, inputs, seed=0, fused_attention="all")
+    row = run_strategy(model, inputs, "keep_all", None, reference=ref, plan=plan, fused_attention="all")
+    assert row.grads_match and row.max_grad_err == 0.0, row.max_grad_err
+    assert row.extra_flops_measured == plan.extra_flops
