@@ -3,7 +3,7 @@
 Many models (nanoGPT, minGPT, the default model) spell attention out:
 
     att = (q @ k.transpose(-2, -1)) * scale          # or / sqrt(d)
-    att = att.masked_fill(~causal_mask[..., :T, :T], float("-inf"))   # optional
+    att = att.masked_fill(~causal_mask[..., :T, :T], float("-inf"))   # or + mask (0 / -inf); optional
     att = F.softmax(att, dim=-1)
     att = dropout(att)                                # optional
     y = att @ v
@@ -68,6 +68,7 @@ _MATMUL_OPS = _ops("__matmul__", "matmul", funcs=(torch.matmul,))
 _MUL_OPS = _ops("__mul__", "__rmul__", "mul", funcs=(torch.mul,))
 _DIV_OPS = _ops("__truediv__", "div", funcs=(torch.div,))
 _MASKED_FILL_OPS = _ops("masked_fill", funcs=(torch.masked_fill,))
+_ADD_OPS = _ops("__add__", "__radd__", "add", funcs=(torch.add,))
 _SOFTMAX_OPS = _ops("softmax", funcs=(F.softmax, torch.softmax))
 _CAST_OPS = _ops("float", "to", "type_as")
 
@@ -169,6 +170,17 @@ class ExplicitAttentionTracker:
         with _disable_current_modes():  # the shadows are real tensors: step outside fake mode
             return self._real_mask_kind(self._shadow_of(mask), sq, sk)
 
+    def _additive_mask_kind(self, bias, sq: int, sk: int) -> str | None:
+        """The same for an additive float mask: 0 where visible, -inf (or <= -1e4) where not."""
+        with _disable_current_modes():
+            real = self._shadow_of(bias)
+            if not isinstance(real, torch.Tensor) or not real.dtype.is_floating_point:
+                return None
+            blocked = real <= -1e4
+            if not bool((blocked | (real == 0)).all()):
+                return None  # a real bias (ALiBi, relative positions): not the fused op's function
+            return self._real_mask_kind(blocked, sq, sk)
+
     @staticmethod
     def _real_mask_kind(real, sq: int, sk: int) -> str | None:
         if not isinstance(real, torch.Tensor) or real.dtype != torch.bool or real.dim() < 2:
@@ -203,6 +215,8 @@ class ExplicitAttentionTracker:
             if cb is not None and cb.stage == "kT" and isinstance(a, torch.Tensor) and a.dim() == 4:
                 self.chains[out] = AttentionChain("scores", a, cb.k)
             return None
+        if func in _ADD_OPS and len(args) > 1 and kwargs.get("alpha", 1) == 1:
+            return self._add_mask(args[0], args[1], out)
         chain = self.chains.get(x) if isinstance(x, torch.Tensor) else None
         if chain is None or chain.stage == "kT":
             return None
@@ -236,6 +250,20 @@ class ExplicitAttentionTracker:
             return None
         if func in _CAST_OPS and chain.stage in ("scores", "masked", "probs"):
             self.chains[out] = chain  # dtype casts around softmax do not change the pattern
+        return None
+
+    def _add_mask(self, a, b, out: torch.Tensor) -> str | None:
+        """scores + mask (either order), the mask 0 where visible and -inf where not."""
+        for scores, bias in ((a, b), (b, a)):
+            chain = self.chains.get(scores) if isinstance(scores, torch.Tensor) else None
+            if chain is None or chain.stage != "scores":
+                continue
+            kind = self._additive_mask_kind(bias, out.shape[-2], out.shape[-1]) \
+                if isinstance(bias, torch.Tensor) else None
+            if kind is None:
+                return "explicit attention: the bias added to the scores is not a causal 0/-inf mask"
+            self.chains[out] = replace(chain, stage="masked", causal=kind == "causal")
+            return None
         return None
 
     def replace_dropout(self, func, args, kwargs) -> torch.Tensor | None:

@@ -100,6 +100,10 @@ class _Attn(torch.nn.Module):
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
         elif self.variant == "no_mask_upcast":
             att = (q @ k.transpose(-1, -2)).float() * 0.3
+        elif self.variant == "llama_additive_mask":  # LLaMA: scores / sqrt(d) + triu(full(-inf), 1)
+            att = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(d)
+            mask = torch.triu(torch.full((T, T), float("-inf"), device=q.device), diagonal=1)
+            att = mask + att.float()
         elif self.variant == "band_mask":  # sliding window: not what the fused op computes
             band = torch.ones(T, T, dtype=torch.bool).triu(1) | torch.ones(T, T, dtype=torch.bool).tril(-4)
             att = (q @ k.transpose(-2, -1)).masked_fill(band, float("-inf"))
@@ -109,7 +113,8 @@ class _Attn(torch.nn.Module):
 
 @pytest.mark.parametrize("variant,causal,scale", [("div_mT_tril_in_forward", True, None),
                                                   ("float_buffer_eq_0", True, None),
-                                                  ("no_mask_upcast", False, 0.3)])
+                                                  ("no_mask_upcast", False, 0.3),
+                                                  ("llama_additive_mask", True, None)])
 def test_explicit_variants_are_routed(variant, causal, scale):
     q, k, v = (torch.randn(2, 3, 16, 8, requires_grad=True) for _ in range(3))
     mod = _Attn(16, variant)
