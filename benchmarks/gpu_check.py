@@ -73,6 +73,8 @@ def _sdpa(q, k, v, causal, backend=None):
 
 def _dropout_reference(q, k, v, causal, p, seed):
     """softmax attention with the op's hashed dropout mask, in the inputs' dtype (GQA expanded)."""
+    import torch
+
     from remat.runtime.attention_dropout import dropout_keep_mask
 
     g = q.shape[1] // k.shape[1]
@@ -80,16 +82,10 @@ def _dropout_reference(q, k, v, causal, p, seed):
     s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         S = q.shape[2]
-        s = s.masked_fill(~torch_tril(S, q.device), float("-inf"))
+        s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     B, H, SQ, SK = s.shape
     keep = dropout_keep_mask(seed, (B, H), SQ, (0, SQ), SK, p)
     return (s.softmax(-1) * keep * (1.0 / (1.0 - p))).to(v.dtype) @ v
-
-
-def torch_tril(S, device):
-    import torch
-
-    return torch.ones(S, S, dtype=torch.bool, device=device).tril()
 
 
 def _fwd_bwd(fn, q, k, v, do):
@@ -131,12 +127,11 @@ def check_correctness(ta, rep: Report, quick: bool) -> list[dict]:
             seed = torch.tensor(20261129, dtype=torch.int64, device="cuda")
             ours = _fwd_bwd(lambda q, k, v: ta.flash_attention(q, k, v, causal=causal, dropout_p=pdrop, seed=seed),
                             q, k, v, do)
-            if pdrop > 0:  # reference: the same mask, spelled out (fp32), and in the inputs' dtype
+            if pdrop > 0:  # the same mask spelled out: in fp32 (reference) and the inputs' dtype
                 def reference(q, k, v):
                     return _dropout_reference(q, k, v, causal, pdrop, seed)
 
-                def baseline(q, k, v):
-                    return _dropout_reference(q, k, v, causal, pdrop, seed)
+                baseline = reference
             else:
                 def reference(q, k, v):
                     return _sdpa(q, k, v, causal, SDPBackend.MATH)

@@ -103,7 +103,6 @@ class ExplicitAttentionTracker:
         self.fuse_dropout = fuse_dropout
         self.chains = WeakIdKeyDictionary()  # traced tensor -> AttentionChain
         self.shadows = WeakIdKeyDictionary()  # traced mask tensor -> real CPU copy
-        self._real_buffers: dict[int, dict[str, torch.Tensor]] = {}
         self._handles = []
 
     # ---- mask shadows ------------------------------------------------------------------------
@@ -118,7 +117,6 @@ class ExplicitAttentionTracker:
                      and b.numel() <= _SHADOW_MAX_NUMEL and not b.dtype.is_complex}
             if not small:
                 continue
-            self._real_buffers[id(mod)] = small
 
             def pre(m, args, _small=small):
                 for name, real in _small.items():

@@ -114,7 +114,7 @@ def compile_variant(v: KernelVariant, arch: int = 90) -> CompileResult:
 
         fn = ta._get_kernels(interpret=False, fp32=True)[v.kernel]  # plain jit functions, no autotuner
         bm, bn, warps, stages = v.config
-        constexprs = dict(HEAD_DIM=v.head_dim, BLOCK_D=max(16, 1 << (v.head_dim - 1).bit_length()),
+        constexprs = dict(HEAD_DIM=v.head_dim, BLOCK_D=ta._block_d(v.head_dim),
                           CAUSAL=v.causal, DOT_FP32=False, PREC="ieee", DROPOUT=v.dropout, BLOCK_M=bm, BLOCK_N=bn)
         # Specialise as a launch on contiguous (B, H, S, D) tensors does: the head-dim strides are 1
         # (Triton turns an int argument equal to 1 into a constant), pointers and the other

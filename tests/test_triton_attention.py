@@ -277,17 +277,18 @@ def test_fallback_chunking(monkeypatch):
     assert max(err) < 1e-12, err
 
 
+def _f64_leaves(g, *shapes):
+    return [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
+
+
 def test_fallback_gradcheck():
     ta.set_triton_mode("never")
     g = torch.Generator().manual_seed(9)
-    q = torch.randn(1, 4, 12, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 2, 17, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 2, 17, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    q, k, v = _f64_leaves(g, (1, 4, 12, 8), (1, 2, 17, 8), (1, 2, 17, 8))
     for causal in (False, True):  # Sq <= Sk: every row sees a key, lse is finite
         assert torch.autograd.gradcheck(lambda q, k, v: flash_attention_with_lse(q, k, v, causal, 0.4), (q, k, v))
     # Sq > Sk causal (fully masked rows): out only (lse is -inf there)
-    ks = torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    vs = torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    ks, vs = _f64_leaves(g, (1, 2, 7, 8), (1, 2, 7, 8))
     assert torch.autograd.gradcheck(lambda q, k, v: flash_attention(q, k, v, True, 0.4), (q, ks, vs))
 
 
@@ -404,9 +405,7 @@ def test_dropout_mask_statistics_and_determinism():
 def test_dropout_gradcheck_and_opcheck():
     ta.set_triton_mode("never")
     g = torch.Generator().manual_seed(12)
-    q = torch.randn(1, 4, 12, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 2, 17, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 2, 17, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    q, k, v = _f64_leaves(g, (1, 4, 12, 8), (1, 2, 17, 8), (1, 2, 17, 8))
     seed = torch.tensor(99, dtype=torch.int64)
     assert torch.autograd.gradcheck(lambda q, k, v: flash_attention(q, k, v, True, 0.4, 0.3, seed), (q, k, v))
     torch.library.opcheck(torch.ops.remat.flash_attention.default, (q, k, v, True, 0.4, 0.3, seed))
