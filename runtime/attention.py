@@ -4,9 +4,12 @@ Inside `route_attention()`, attention the fused op can take becomes one
 `torch.ops.remat.flash_attention` node, whose autograd formula saves only the output and the
 per-row log-sum-exp: no s x s tensor lives across the step. Two spellings are recognised:
 
-* `F.scaled_dot_product_attention` without an explicit mask or dropout;
+* `F.scaled_dot_product_attention` without an explicit mask or dropout (`is_causal` only with as
+  many queries as keys: SDPA aligns its causal mask top-left, the fused op bottom-right);
 * the explicit softmax(Q K^T * scale [masked causal]) V chain (see `attention_pattern`), without
-  dropout on the probabilities.
+  dropout on the probabilities, and only if nothing it relies on was modified in place before the
+  closing `@ v` (version counters; the common in-place spellings `att /= s`, `att.masked_fill_`,
+  `att += causal_mask` are understood exactly).
 
 With `fuse_dropout=True` both spellings are also fused when their probabilities go through dropout:
 the op then drops them with its own hashed mask (`attention_dropout`), drawn from a seed that
@@ -29,9 +32,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
+from remat.graph_capture.autocast_state import autocast_fusion_reason
 from remat.runtime import triton_attention
 from remat.runtime.attention_dropout import draw_seed
-from remat.runtime.attention_pattern import ExplicitAttentionTracker
+from remat.runtime.attention_pattern import ExplicitAttentionTracker, version_of
 from remat.runtime.triton_attention import flash_attention
 
 __all__ = ["route_attention", "AttentionRouter", "fused_attention_mode"]
@@ -86,7 +90,18 @@ class AttentionRouter(TorchFunctionMode):
         if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
                 and q.shape[1] != k.shape[1] and not kwargs.get("enable_gqa", False):
             return "head counts"
-        return _shape_reason(q, k, v)
+        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+        if causal and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
+                and q.shape[-2] != k.shape[-2]:
+            # SDPA aligns its causal mask top-left, the fused op bottom-right: equal only for Sq == Sk
+            return f"is_causal with {q.shape[-2]} queries and {k.shape[-2]} keys (top-left aligned)"
+        return _shape_reason(q, k, v) or self._autocast_reason(q)
+
+    def _autocast_reason(self, q) -> str | None:
+        # [engineer D: autocast] in "exact" mode attention traced under autocast stays unfused: eager
+        # autocast rounds scores and probabilities to 16 bits, the fused op does not (see
+        # remat.graph_capture.autocast_state); "all" opts into the fused op's function anyway
+        return None if self.fuse_dropout else autocast_fusion_reason(q)
 
     def _route(self, q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed=None) -> torch.Tensor:
         self.routed += 1
@@ -107,9 +122,10 @@ class AttentionRouter(TorchFunctionMode):
             return func(*args, **kwargs)
         closing = self.explicit.final(func, args, kwargs)
         if closing is not None:
-            chain, v = closing
-            reason = (f"dropout p={chain.dropout_p} on the probabilities (fuse_dropout is off)"
-                      if chain.dropout_p > 0 and chain.seed is None else _shape_reason(chain.q, chain.k, v))
+            chain, v, reason = closing  # reason: an in-place op changed what the chain computes
+            reason = reason or (f"dropout p={chain.dropout_p} on the probabilities (fuse_dropout is off)"
+                                if chain.dropout_p > 0 and chain.seed is None
+                                else _shape_reason(chain.q, chain.k, v) or self._autocast_reason(chain.q))
             if reason is None:
                 # the scores/softmax chain traced so far is now unused: dead code in the graph
                 return self._route(chain.q, chain.k, v, chain.causal, chain.scale, chain.dropout_p, chain.seed)
@@ -117,9 +133,12 @@ class AttentionRouter(TorchFunctionMode):
         replaced = self.explicit.replace_dropout(func, args, kwargs)
         if replaced is not None:
             return replaced
+        # args[0]'s version before the op: tells the tracker whether an in-place op (att /= s) was
+        # applied to an untouched chain value
+        pre_version = version_of(args[0]) if args else None
         out = func(*args, **kwargs)
         self.explicit.replay_mask_op(func, args, kwargs, out)
-        reason = self.explicit.step(func, args, kwargs, out)
+        reason = self.explicit.step(func, args, kwargs, out, pre_version)
         if reason is not None:
             self.passed.append(reason)
         return out

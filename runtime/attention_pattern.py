@@ -2,7 +2,7 @@
 
 Many models (nanoGPT, minGPT, the default model) spell attention out:
 
-    att = (q @ k.transpose(-2, -1)) * scale          # or / sqrt(d)
+    att = (q @ k.transpose(-2, -1)) * scale          # or / sqrt(d), or att /= sqrt(d) in place
     att = att.masked_fill(~causal_mask[..., :T, :T], float("-inf"))   # or + mask (0 / -inf); optional
     att = F.softmax(att, dim=-1)
     att = dropout(att)                                # optional
@@ -13,19 +13,38 @@ its result with what it has seen so far (q, k, scale, mask). When the chain ends
 router returns the fused op's output instead; the scores, mask and softmax it traced on the way
 are then unused and dropped from the graph as dead code, so the s x s tensors never exist.
 
+Nothing is fused that the tracker cannot prove to be the fused op's function:
+
+* In-place ops. Every tensor has a version counter (`t._version`) that each in-place op bumps (views
+  share their base's counter; it also works on AOTAutograd's FunctionalTensors). A tag remembers the
+  version of the tensor it describes, and the chain remembers the versions of q and k when the scores
+  were computed (the fused op reads q and k again at the closing `@ v`). A tag whose tensor has been
+  modified since, or q/k modified before the closing `@ v`, leaves the chain unfused with the reason
+  "in-place op on ...". The common in-place spellings are understood exactly instead: `att /= s`,
+  `att *= s`, `div_`/`mul_` by a positive python scalar, `masked_fill_` with a causal mask, and
+  `+=`/`add_` of a causal 0/-inf mask, each applied to an untouched chain value (the router reads the
+  version before the op runs).
+* Masks must be known to be causal (or empty), filled (masked_fill, torch.where) with -inf or a value
+  <= finfo(dtype).min (HF's spelling), or added as 0 / (-inf or <= finfo(dtype).min / 2). Rows that see no key at all
+  (Sq > Sk) are refused: eager softmax gives NaN or a uniform row there, the fused op zeros.
+* Casts stay in the chain only to floating dtypes at least as precise as q's (an upcast around
+  softmax, and the cast back); softmax only over the last dim; every step keeps the scores' shape.
+
 Dropout on the probabilities is fused only when the router is asked to (`fuse_dropout`): the
 tracker then replaces it with the op's own hashed dropout (`attention_dropout.hashed_dropout`, same
 distribution, masks from remat's generator rather than torch's), so that the fused op, given the
-same seed, computes exactly what the spelled-out chain would.
+same seed, computes exactly what the spelled-out chain would. In-place dropout is never replaced.
 
-The mask must be known to be causal (or empty). Masks are small deterministic tensors (a causal
-buffer, or tril(ones(T, T)) built in forward), so the tracker keeps a real copy ("shadow") of
-each one next to the traced value: it copies the model's small buffers before tracing, and
-replays cheap mask-building ops (slicing, ~, tril, comparisons, ...) on the copies. Anything it
+Masks are small deterministic tensors (a causal buffer, or tril(ones(T, T)) built in forward), so
+the tracker keeps a real copy ("shadow") of each one next to the traced value: it copies the
+model's small buffers before tracing, and replays cheap mask-building ops (slicing, ~, tril,
+comparisons, ...) on the copies. A shadow is used only while its tensor's version is the one it
+was made at (an in-place op on a mask, e.g. `ones(T, T).tril_()`, makes it unknown). Anything it
 cannot prove causal is left alone, and the reason is reported.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,7 +56,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.runtime.attention_dropout import draw_seed, hashed_dropout
 
-__all__ = ["ExplicitAttentionTracker", "AttentionChain"]
+__all__ = ["ExplicitAttentionTracker", "AttentionChain", "version_of"]
 
 # masks bigger than this are not shadowed (a causal mask for S = 4096 has 16M entries)
 _SHADOW_MAX_NUMEL = 1 << 26
@@ -54,14 +73,16 @@ def _ops(*names: str, funcs: tuple = ()) -> frozenset:
     return frozenset(found)
 
 
-# ops that build masks: replayed on the shadows, cheap and deterministic
+# ops that build masks: replayed on the shadows, cheap and deterministic (none of them in place)
 _MASK_OPS = _ops("__getitem__", "__invert__", "logical_not", "bitwise_not", "__eq__", "__ne__", "__lt__",
                  "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt", "ge", "tril", "triu", "view",
                  "reshape", "unsqueeze", "expand", "bool", "to", "float", "__and__", "__or__", "logical_and",
-                 "logical_or", "t", "transpose",
+                 "logical_or", "t", "transpose", "masked_fill", "__mul__", "__rmul__", "mul", "__sub__",
+                 "__rsub__", "sub",
                  funcs=(torch.logical_not, torch.bitwise_not, torch.eq, torch.ne, torch.lt, torch.le, torch.gt,
                         torch.ge, torch.tril, torch.triu, torch.ones, torch.zeros, torch.ones_like,
-                        torch.zeros_like, torch.full, torch.arange, torch.logical_and, torch.logical_or))
+                        torch.zeros_like, torch.full, torch.arange, torch.logical_and, torch.logical_or,
+                        torch.masked_fill, torch.where, torch.mul, torch.sub))
 _TRANSPOSE_OPS = _ops("transpose", funcs=(torch.transpose,))
 _MT_OPS = frozenset({torch.Tensor.mT.__get__, torch._C.TensorBase.mT.__get__})
 _MATMUL_OPS = _ops("__matmul__", "matmul", funcs=(torch.matmul,))
@@ -69,8 +90,27 @@ _MUL_OPS = _ops("__mul__", "__rmul__", "mul", funcs=(torch.mul,))
 _DIV_OPS = _ops("__truediv__", "div", funcs=(torch.div,))
 _MASKED_FILL_OPS = _ops("masked_fill", funcs=(torch.masked_fill,))
 _ADD_OPS = _ops("__add__", "__radd__", "add", funcs=(torch.add,))
+# the in-place spellings understood exactly (the op is applied to args[0], which is returned)
+_IMUL_OPS = _ops("__imul__", "mul_")
+_IDIV_OPS = _ops("__itruediv__", "__idiv__", "div_")
+_IMASKED_FILL_OPS = _ops("masked_fill_")
+_IADD_OPS = _ops("__iadd__", "add_")
 _SOFTMAX_OPS = _ops("softmax", funcs=(F.softmax, torch.softmax))
+_WHERE_OPS = _ops("where", funcs=(torch.where,))  # torch.where(cond, input, other) / input.where(cond, other)
 _CAST_OPS = _ops("float", "to", "type_as")
+# `.data` aliases a tensor's storage under a new version counter: in-place ops through it are invisible
+_DATA_OPS = frozenset({torch.Tensor.data.__get__, torch._C.TensorBase.data.__get__})
+
+
+def version_of(t) -> int | None:
+    """`t._version` (bumped by every in-place op on t or a view sharing its storage), or None
+    when t is not a tensor or does not track versions (inference tensors)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t._version
+    except Exception:  # inference tensors have no version counter: nothing about them is provable
+        return None
 
 
 @dataclass(frozen=True)
@@ -84,6 +124,9 @@ class AttentionChain:
     causal: bool = False
     dropout_p: float = 0.0  # dropout applied to the probabilities
     seed: torch.Tensor | None = None  # the hashed dropout's seed, when dropout was replaced
+    version: int | None = None  # the tagged tensor's version when it was tagged
+    reads: tuple = ()  # ((tensor, version, name), ...): what the fused op reads again (q, k)
+    broken: str | None = None  # why this chain no longer computes what the tags say
 
 
 def _arg(args, kwargs, i: int, name: str, default=None):
@@ -92,8 +135,36 @@ def _arg(args, kwargs, i: int, name: str, default=None):
     return args[i] if len(args) > i else default
 
 
-def _is_last_two(d0: int, d1: int, ndim: int) -> bool:
-    return {d0 % ndim, d1 % ndim} == {ndim - 2, ndim - 1}
+def _is_last_two(d0, d1, ndim: int) -> bool:
+    return isinstance(d0, int) and isinstance(d1, int) and {d0 % ndim, d1 % ndim} == {ndim - 2, ndim - 1}
+
+
+def _positive_factor(other) -> float | None:
+    """A python scalar scale (not bool, not a tensor: a 0-d tensor's value is not known while
+    tracing), finite and > 0; else None."""
+    if isinstance(other, bool) or not isinstance(other, (int, float)):
+        return None
+    try:
+        f = float(other)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and f > 0 else None
+
+
+def _at_least_as_precise(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """A floating dtype that holds every value of `than` exactly (fp32 for fp16/bf16, fp64 ...)."""
+    if not (dtype.is_floating_point and than.is_floating_point) or dtype.is_complex:
+        return False
+    a, b = torch.finfo(dtype), torch.finfo(than)
+    return a.eps <= b.eps and a.max >= b.max and a.tiny <= b.tiny
+
+
+def _is_minus_inf_fill(value, dtype: torch.dtype) -> bool:
+    """-inf, or a value <= finfo(dtype).min (e.g. HF's torch.finfo(dtype).min): exp(value - max)
+    underflows to exactly 0 as for -inf, as long as the row sees some key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not dtype.is_floating_point:
+        return False
+    return value == float("-inf") or value <= torch.finfo(dtype).min
 
 
 class ExplicitAttentionTracker:
@@ -102,8 +173,11 @@ class ExplicitAttentionTracker:
     def __init__(self, fuse_dropout: bool = False):
         self.fuse_dropout = fuse_dropout
         self.chains = WeakIdKeyDictionary()  # traced tensor -> AttentionChain
-        self.shadows = WeakIdKeyDictionary()  # traced mask tensor -> real CPU copy
+        self.shadows = WeakIdKeyDictionary()  # traced mask tensor -> (real CPU copy, version)
         self._handles = []
+        # a `.data` alias of any tensor was made: in-place ops through it bump no version counter
+        # that the guard could see (it may alias q, k or a base they view), so no chain is proven
+        self.data_aliased: str | None = None
 
     # ---- mask shadows ------------------------------------------------------------------------
     def watch_buffers(self, model: nn.Module) -> None:
@@ -112,17 +186,22 @@ class ExplicitAttentionTracker:
         for mod in model.modules():
             # masks are square in their last two dims; other buffers (running stats, rotary
             # caches) are not copied
-            small = {n: b.detach().to("cpu", copy=True) for n, b in mod._buffers.items()
+            small = {n: (b, b.detach().to("cpu", copy=True), version_of(b)) for n, b in mod._buffers.items()
                      if b is not None and b.dim() >= 2 and b.shape[-1] == b.shape[-2]
                      and b.numel() <= _SHADOW_MAX_NUMEL and not b.dtype.is_complex}
             if not small:
                 continue
 
             def pre(m, args, _small=small):
-                for name, real in _small.items():
+                for name, (orig, real, orig_version) in _small.items():
                     traced = m._buffers.get(name)
-                    if isinstance(traced, torch.Tensor):
-                        self.shadows[traced] = real
+                    if not isinstance(traced, torch.Tensor) or traced in self.shadows:
+                        continue  # the version at first sight stays the reference
+                    # the buffer itself (eager) must still be at the version it was copied at;
+                    # a traced stand-in starts at version 0, anything else was modified in place
+                    expect = orig_version if traced is orig else 0
+                    if expect is not None and version_of(traced) == expect:
+                        self.shadows[traced] = (real, expect)
 
             self._handles.append(mod.register_forward_pre_hook(pre))
 
@@ -132,9 +211,11 @@ class ExplicitAttentionTracker:
         self._handles.clear()
 
     def _shadow_of(self, x):
-        if isinstance(x, torch.Tensor):
-            return self.shadows.get(x)
-        return x
+        """The real copy of traced mask `x`, or None if it has none or was modified in place since."""
+        entry = self.shadows.get(x) if isinstance(x, torch.Tensor) else None
+        if entry is None or version_of(x) != entry[1]:
+            return None
+        return entry[0]
 
     def replay_mask_op(self, func, args, kwargs, out) -> None:
         """If `func` builds a mask from shadowed (or no) tensors, compute its shadow too."""
@@ -144,7 +225,7 @@ class ExplicitAttentionTracker:
         real = []
         for x in leaves:
             if isinstance(x, torch.Tensor):
-                s = self.shadows.get(x)
+                s = self._shadow_of(x)
                 if s is None:
                     return
                 real.append(s)
@@ -158,23 +239,28 @@ class ExplicitAttentionTracker:
         with _disable_current_modes():
             try:
                 shadow = func(*r_args, **r_kwargs)
+                if isinstance(shadow, torch.Tensor):  # `.to("cuda")` would move the copy: keep it on CPU
+                    shadow = shadow.cpu()
             except Exception:  # a mask we cannot replay is simply not known
                 return
-        if isinstance(shadow, torch.Tensor) and tuple(shadow.shape) == tuple(out.shape):
-            self.shadows[out] = shadow
+        version = version_of(out)
+        if isinstance(shadow, torch.Tensor) and tuple(shadow.shape) == tuple(out.shape) and version is not None:
+            self.shadows[out] = (shadow, version)
 
     def _mask_kind(self, mask, sq: int, sk: int) -> str | None:
         """'causal' (bottom-right aligned, as the fused op), 'none' (masks nothing), or None."""
         with _disable_current_modes():  # the shadows are real tensors: step outside fake mode
             return self._real_mask_kind(self._shadow_of(mask), sq, sk)
 
-    def _additive_mask_kind(self, bias, sq: int, sk: int) -> str | None:
-        """The same for an additive float mask: 0 where visible, -inf (or <= -1e4) where not."""
+    def _additive_mask_kind(self, bias, sq: int, sk: int, dtype: torch.dtype) -> str | None:
+        """The same for an additive float mask: 0 where visible, -inf or <= finfo(dtype).min / 2
+        where not (HF adds finfo(dtype).min; the sum with any ordinary score stays far below every
+        visible score, so its exp underflows to exactly 0 as for -inf)."""
         with _disable_current_modes():
             real = self._shadow_of(bias)
-            if not isinstance(real, torch.Tensor) or not real.dtype.is_floating_point:
+            if not isinstance(real, torch.Tensor) or not real.dtype.is_floating_point or not dtype.is_floating_point:
                 return None
-            blocked = real <= -1e4
+            blocked = (real == float("-inf")) | (real <= torch.finfo(dtype).min / 2)
             if not bool((blocked | (real == 0)).all()):
                 return None  # a real bias (ALiBi, relative positions): not the fused op's function
             return self._real_mask_kind(blocked, sq, sk)
@@ -191,99 +277,196 @@ class ExplicitAttentionTracker:
         flat = real.reshape(-1, sq, sk)
         if not flat.any():
             return "none"
+        if sq > sk:  # rows that see no key: eager gives NaN (-inf) or uniform rows, the fused op zeros
+            return None
         causal = torch.ones(sq, sk, dtype=torch.bool).triu(1 + sk - sq)
         return "causal" if bool((flat == causal).all()) else None
 
     # ---- the chain ---------------------------------------------------------------------------
-    def step(self, func, args, kwargs, out) -> str | None:
-        """Tag `out` if `func(*args, **kwargs)` extends a chain. Returns a reason when a chain is
-        broken in a way the user may want to know about."""
+    def _current(self, x) -> AttentionChain | None:
+        """The chain tagged on `x`; marked broken if `x` was modified in place since (directly or
+        through a view: views share the version counter)."""
+        chain = self.chains.get(x) if isinstance(x, torch.Tensor) else None
+        if chain is not None and chain.broken is None and (chain.version is None or version_of(x) != chain.version):
+            chain = replace(chain, broken=f"in-place op on the attention {chain.stage}")
+        return chain
+
+    def _tag(self, out: torch.Tensor, chain: AttentionChain, broken: str | None = None) -> None:
+        self.chains[out] = replace(chain, version=version_of(out), broken=chain.broken or broken)
+
+    def step(self, func, args, kwargs, out, pre_version: int | None = None) -> str | None:
+        """Tag `out` if `func(*args, **kwargs)` extends a chain. `pre_version` is args[0]'s version
+        before the op ran (for in-place ops). Returns a reason when a chain is broken in a way the
+        user may want to know about."""
         if not isinstance(out, torch.Tensor):
             return None
         x = args[0] if args else None
+        if func in _DATA_OPS:
+            self.data_aliased = f"`.data` of a {tuple(out.shape)} tensor was taken while tracing " \
+                                f"(in-place ops through it are invisible to the version guard)"
+            return None
         if func in _TRANSPOSE_OPS or func in _MT_OPS:
             if isinstance(x, torch.Tensor) and x.dim() == 4:
                 d0, d1 = (-2, -1) if func in _MT_OPS else (_arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1"))
                 if _is_last_two(d0, d1, 4):
-                    self.chains[out] = AttentionChain("kT", None, x)
+                    self._tag(out, AttentionChain("kT", None, x))
             return None
         if func in _MATMUL_OPS and len(args) >= 2:
             a, b = args[0], args[1]
-            cb = self.chains.get(b) if isinstance(b, torch.Tensor) else None
-            if cb is not None and cb.stage == "kT" and isinstance(a, torch.Tensor) and a.dim() == 4:
-                self.chains[out] = AttentionChain("scores", a, cb.k)
+            cb = self._current(b)
+            if cb is not None and cb.stage == "kT" and isinstance(a, torch.Tensor) and a.dim() == 4 \
+                    and version_of(a) is not None and version_of(cb.k) is not None:
+                # the fused op reads q and k again at the closing `@ v`: they must not change before
+                reads = ((a, version_of(a), "q"), (cb.k, version_of(cb.k), "k"))
+                self._tag(out, AttentionChain("scores", a, cb.k, reads=reads, broken=cb.broken))
             return None
         if func in _ADD_OPS and len(args) > 1 and kwargs.get("alpha", 1) == 1:
             return self._add_mask(args[0], args[1], out)
-        chain = self.chains.get(x) if isinstance(x, torch.Tensor) else None
-        if chain is None or chain.stage == "kT":
-            return None
+        if func in _WHERE_OPS and len(args) == 3 and not kwargs:
+            cond, a, b = args if func is torch.where else (args[1], args[0], args[2])
+            return self._where(cond, a, b, out)
+        inplace = func in _IMUL_OPS or func in _IDIV_OPS or func in _IMASKED_FILL_OPS or func in _IADD_OPS
+        if inplace:
+            return self._inplace(func, args, kwargs, out, pre_version)
+        chain = self._current(x)
+        if chain is None or chain.stage == "kT" or tuple(out.shape) != tuple(x.shape):
+            return None  # every step of the pattern keeps the scores' shape
         if func in _MUL_OPS or func in _DIV_OPS:
-            other = args[1] if len(args) > 1 else kwargs.get("other")
-            if chain.stage == "scores" and isinstance(other, (int, float)) and other != 0 and \
-                    kwargs.get("rounding_mode") is None:
-                factor = other if func in _MUL_OPS else 1.0 / other
-                self.chains[out] = replace(chain, scale=chain.scale * factor)
+            factor = self._scale_factor(func in _MUL_OPS, args, kwargs)
+            if chain.stage == "scores" and factor is not None and _positive_factor(chain.scale * factor):
+                self._tag(out, replace(chain, scale=chain.scale * factor))
             return None
         if func in _MASKED_FILL_OPS:
-            mask, value = _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "value")
-            if chain.stage != "scores":
-                return None
-            kind = self._mask_kind(mask, out.shape[-2], out.shape[-1])
-            if kind is None:
-                return "explicit attention: mask not recognised as causal"
-            if not (isinstance(value, (int, float)) and value <= -1e4):
-                return f"explicit attention: masked_fill value {value!r}"
-            self.chains[out] = replace(chain, stage="masked", causal=kind == "causal")
-            return None
+            return self._masked_fill(chain, x, _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "value"), out)
         if func in _SOFTMAX_OPS:
             dim = _arg(args, kwargs, 1, "dim")
-            if chain.stage in ("scores", "masked") and dim in (-1, out.dim() - 1) \
-                    and kwargs.get("dtype") is None:
-                self.chains[out] = replace(chain, stage="probs")
+            # dtype is F.softmax's 4th parameter (after _stacklevel), Tensor.softmax's/torch.softmax's 3rd
+            dtype = _arg(args, kwargs, 3 if func is F.softmax else 2, "dtype")
+            if chain.stage in ("scores", "masked") and isinstance(dim, int) and dim in (-1, out.dim() - 1) \
+                    and (dtype is None or _at_least_as_precise(out.dtype, x.dtype)):
+                self._tag(out, replace(chain, stage="probs"))
             return None
         if func is F.dropout and chain.stage == "probs":
             p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True)
-            self.chains[out] = replace(chain, dropout_p=float(p) if training else 0.0)
+            if _arg(args, kwargs, 3, "inplace", False):
+                # in training it changed `x` in place: the stale tag on x breaks the chain below
+                return None
+            self._tag(out, replace(chain, dropout_p=float(p) if training else 0.0))
             return None
         if func in _CAST_OPS and chain.stage in ("scores", "masked", "probs"):
-            self.chains[out] = chain  # dtype casts around softmax do not change the pattern
+            # casts around softmax do not change the pattern, as long as nothing is rounded below
+            # q's precision (the fused op computes in it) and the value stays on its device
+            if out.device == x.device and _at_least_as_precise(out.dtype, chain.q.dtype) \
+                    and _at_least_as_precise(out.dtype, chain.k.dtype):
+                self._tag(out, chain)
         return None
 
-    def _add_mask(self, a, b, out: torch.Tensor) -> str | None:
-        """scores + mask (either order), the mask 0 where visible and -inf where not."""
-        for scores, bias in ((a, b), (b, a)):
-            chain = self.chains.get(scores) if isinstance(scores, torch.Tensor) else None
+    @staticmethod
+    def _scale_factor(is_mul: bool, args, kwargs) -> float | None:
+        if kwargs.get("rounding_mode") is not None:
+            return None
+        f = _positive_factor(_arg(args, kwargs, 1, "other"))
+        return None if f is None else _positive_factor(f if is_mul else 1.0 / f)
+
+    def _masked_fill(self, chain: AttentionChain, x, mask, value, out) -> str | None:
+        if chain.stage != "scores":
+            return None
+        kind = self._mask_kind(mask, out.shape[-2], out.shape[-1])
+        if kind is None:
+            return "explicit attention: mask not recognised as causal"
+        if not _is_minus_inf_fill(value, x.dtype):
+            return f"explicit attention: masked_fill value {value!r} (not -inf or <= finfo({x.dtype}).min)"
+        self._tag(out, replace(chain, stage="masked", causal=kind == "causal"))
+        return None
+
+    def _where(self, cond, a, b, out: torch.Tensor) -> str | None:
+        """torch.where(visible, scores, -inf) or torch.where(blocked, -inf, scores); the fill a
+        python scalar or a 0-d tensor with a known value (HF's GPT-2: torch.full([], finfo.min))."""
+        for scores, value, keep_where_true in ((a, b, True), (b, a, False)):
+            chain = self._current(scores)
             if chain is None or chain.stage != "scores":
                 continue
-            kind = self._additive_mask_kind(bias, out.shape[-2], out.shape[-1]) \
+            if tuple(out.shape) != tuple(scores.shape) or out.dtype != scores.dtype:
+                return None  # a condition or fill that broadcasts or promotes the scores
+            with _disable_current_modes():
+                real = self._shadow_of(cond)
+                blocked = None if not isinstance(real, torch.Tensor) or real.dtype != torch.bool \
+                    else (~real if keep_where_true else real)
+                kind = self._real_mask_kind(blocked, out.shape[-2], out.shape[-1])
+                if isinstance(value, torch.Tensor):
+                    known = self._shadow_of(value)
+                    value = known.item() if isinstance(known, torch.Tensor) and known.numel() == 1 else value
+            if kind is None:
+                return "explicit attention: torch.where mask not recognised as causal"
+            if not _is_minus_inf_fill(value, scores.dtype):
+                return f"explicit attention: torch.where fill {value!r} (not -inf or <= finfo({scores.dtype}).min)"
+            self._tag(out, replace(chain, stage="masked", causal=kind == "causal"))
+            return None
+        return None
+
+    def _inplace(self, func, args, kwargs, out, pre_version) -> str | None:
+        """`att /= s`, `att *= s`, `att.masked_fill_(...)`, `att += mask` on an untouched chain value:
+        re-tag the same tensor with what it now holds. Anything else leaves its tag stale."""
+        x = args[0]
+        chain = self.chains.get(x) if isinstance(x, torch.Tensor) else None
+        if chain is None or chain.broken is not None or out is not x or pre_version != chain.version:
+            return None  # not a chain value, or already modified: the version check catches it
+        if func in _IMUL_OPS or func in _IDIV_OPS:
+            factor = self._scale_factor(func in _IMUL_OPS, args, kwargs)
+            if chain.stage == "scores" and factor is not None and _positive_factor(chain.scale * factor):
+                self._tag(out, replace(chain, scale=chain.scale * factor))
+            return None
+        if func in _IMASKED_FILL_OPS:
+            return self._masked_fill(chain, x, _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "value"), out)
+        if kwargs.get("alpha", 1) == 1 and len(args) > 1:  # += / add_
+            return self._add_mask(x, args[1], out, inplace=True)
+        return None
+
+    def _add_mask(self, a, b, out: torch.Tensor, inplace: bool = False) -> str | None:
+        """scores + mask (either order; only `scores += mask` in place), the mask 0 where visible
+        and -inf where not."""
+        for scores, bias in ((a, b),) if inplace else ((a, b), (b, a)):
+            chain = self.chains.get(scores) if inplace else self._current(scores)
+            if chain is None or chain.stage != "scores":
+                continue
+            if tuple(out.shape) != tuple(scores.shape):
+                return None  # a bias that broadcasts the scores to a bigger shape
+            kind = self._additive_mask_kind(bias, out.shape[-2], out.shape[-1], out.dtype) \
                 if isinstance(bias, torch.Tensor) else None
             if kind is None:
                 return "explicit attention: the bias added to the scores is not a causal 0/-inf mask"
-            self.chains[out] = replace(chain, stage="masked", causal=kind == "causal")
+            self._tag(out, replace(chain, stage="masked", causal=kind == "causal"))
             return None
         return None
 
     def replace_dropout(self, func, args, kwargs) -> torch.Tensor | None:
         """With `fuse_dropout`, dropout on a chain's probabilities becomes the fused op's hashed
-        dropout (returned here, instead of running torch's); otherwise None."""
+        dropout (returned here, instead of running torch's); otherwise None. In-place dropout is
+        never replaced (the model reads the tensor it modified)."""
         if not self.fuse_dropout or func is not F.dropout or not args:
             return None
-        chain = self.chains.get(args[0]) if isinstance(args[0], torch.Tensor) else None
+        chain = self._current(args[0])
         p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True)
-        if chain is None or chain.stage != "probs" or not training or not 0.0 < p < 1.0 or args[0].dim() != 4:
+        if chain is None or chain.broken is not None or chain.stage != "probs" or not training \
+                or _arg(args, kwargs, 3, "inplace", False) or isinstance(p, bool) \
+                or not isinstance(p, (int, float)) or not 0.0 < p < 1.0 or args[0].dim() != 4:
             return None
         seed = draw_seed(args[0].device)
         out = hashed_dropout(args[0], float(p), seed)
-        self.chains[out] = replace(chain, dropout_p=float(p), seed=seed)
+        self._tag(out, replace(chain, dropout_p=float(p), seed=seed))
         return out
 
-    def final(self, func, args, kwargs) -> tuple[AttentionChain, torch.Tensor] | None:
-        """(chain, v) if `func(*args)` is the closing `probs @ v` of a chain."""
-        if func not in _MATMUL_OPS or len(args) < 2:
-            return None
+    def final(self, func, args, kwargs) -> tuple[AttentionChain, torch.Tensor, str | None] | None:
+        """(chain, v, reason) if `func(*args)` is the closing `probs @ v` of a chain; reason (why
+        it cannot be fused: in-place ops) is None when the chain still holds."""
+        if func not in _MATMUL_OPS or len(args) < 2 or kwargs.get("out") is not None:
+            return None  # matmul(p, v, out=buf): the model reads buf, which the fused op would not fill
         p, v = args[0], args[1]
-        chain = self.chains.get(p) if isinstance(p, torch.Tensor) else None
+        chain = self._current(p)
         if chain is None or chain.stage != "probs" or not isinstance(v, torch.Tensor) or v.dim() != 4:
             return None
-        return chain, v
+        reason = chain.broken or self.data_aliased
+        for t, version, name in chain.reads:
+            if reason is None and version_of(t) != version:
+                reason = f"in-place op on {name} after the scores were computed"
+        return chain, v, reason

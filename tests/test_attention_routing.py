@@ -215,3 +215,296 @@ def test_recomputed_fused_attention_with_dropout_regenerates_its_masks():
     row = run_strategy(model, inputs, "keep_all", None, reference=ref, plan=plan, fused_attention="all")
     assert row.grads_match and row.max_grad_err == 0.0, row.max_grad_err
     assert row.extra_flops_measured == plan.extra_flops
+
+
+# ---- in-place ops and what counts as proven (the chain is fused only when it computes the same) ----
+class _Block(torch.nn.Module):
+    """A tiny causal self-attention LM, the attention spelled with in-place ops as some models do."""
+
+    def __init__(self, spelling: str, T: int = 8, C: int = 16, H: int = 2, V: int = 32):
+        super().__init__()
+        self.spelling, self.T, self.C, self.H, self.V = spelling, T, C, H, V
+        self.emb, self.qkv, self.head = torch.nn.Embedding(V, C), torch.nn.Linear(C, 3 * C), torch.nn.Linear(C, V)
+        self.register_buffer("causal", torch.tril(torch.ones(T, T, dtype=torch.bool)))
+        if spelling == "iadd_rel_bias":
+            self.rel_bias = torch.nn.Parameter(torch.randn(H, T, T))
+
+    def forward(self, idx, targets):
+        B, T, C, H = idx.shape[0], self.T, self.C, self.H
+        q, k, v = self.qkv(self.emb(idx)).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+        att = q @ k.transpose(-2, -1)
+        if self.spelling == "idiv_scale":
+            att /= math.sqrt(C // H)
+        else:
+            att = att / math.sqrt(C // H)
+        if self.spelling == "masked_fill_":
+            att.masked_fill_(~self.causal, float("-inf"))
+        else:
+            att = att.masked_fill(~self.causal, float("-inf"))
+        if self.spelling == "iadd_rel_bias":
+            att += self.rel_bias
+        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
+        return F.cross_entropy(self.head(y).view(-1, self.V), targets.view(-1))
+
+
+@pytest.mark.parametrize("spelling,fused", [("idiv_scale", True), ("masked_fill_", True), ("iadd_rel_bias", False)])
+def test_reported_inplace_spellings_match_eager(spelling, fused):
+    """The three reported silent wrong gradients: `att /= sqrt(d)` (scale lost), `att.masked_fill_`
+    (mask lost), `att += rel_bias` (bias dropped). The first two are understood and fused exactly,
+    the learned bias leaves attention unfused."""
+    torch.manual_seed(0)
+    model = _Block(spelling)
+    idx, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    loss = model(idx, targets)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    opt = remat.optimize(model, budget_bytes=2**40, example_inputs=(idx, targets), solver="keep_all")
+    assert sum(n.op.startswith("flash_attention") for n in opt.graph.nodes) == (2 if fused else 0)
+    loss2 = opt(idx, targets)
+    loss2.backward()
+    assert torch.allclose(loss2, loss, rtol=1e-5, atol=1e-6), (loss2.item(), loss.item())
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is not None and torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6), \
+            (p.shape, (p.grad - g).abs().max())
+
+
+def _routed_and_eager(fn, *tensors, mode=True, model_factory=None):
+    """fn run under the router and without it (fresh model each time, same seed): (router, out, eager)."""
+    torch.manual_seed(0)
+    expect = fn(model_factory(), *tensors) if model_factory else fn(*tensors)
+    torch.manual_seed(0)
+    model = model_factory() if model_factory else None
+    with route_attention(mode, model=model) as router:
+        out = fn(model, *tensors) if model_factory else fn(*tensors)
+    return router, out, expect
+
+
+def _qkv(B=2, H=2, T=8, D=8, Tk=None):
+    torch.manual_seed(1)
+    return torch.randn(B, H, T, D), torch.randn(B, H, Tk or T, D), torch.randn(B, H, Tk or T, D)
+
+
+def _causal(T):
+    return torch.ones(T, T, dtype=torch.bool).tril()
+
+
+def _scores(q, k):
+    return (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+
+
+def _inplace_on_view_of_scores(q, k, v):
+    att = _scores(q, k)
+    att[..., 0] = 0.0  # through a view: att's own tag is stale
+    return F.softmax(att, dim=-1) @ v
+
+
+def _view_mul_of_scores(q, k, v):
+    att = _scores(q, k)
+    att.view(-1)[:5].mul_(3.0)
+    return F.softmax(att, dim=-1) @ v
+
+
+def _q_modified_after_scores(q, k, v):
+    q = q.clone()
+    att = _scores(q, k)
+    q.mul_(2.0)  # the fused op would read the new q
+    return F.softmax(att, dim=-1) @ v
+
+
+def _k_modified_through_kT(q, k, v):
+    k = k.clone()
+    kT = k.transpose(-2, -1)
+    att = (q @ kT) * 0.3
+    kT.zero_()
+    return F.softmax(att, dim=-1) @ v
+
+
+def _scores_modified_through_detach(q, k, v):
+    att = _scores(q, k)
+    att.detach().mul_(2.0)  # detach() shares the version counter
+    return F.softmax(att, dim=-1) @ v
+
+
+def _q_modified_through_data(q, k, v):
+    q = q.clone()
+    alias = q.data  # a new version counter: the in-place op below bumps nothing q has
+    att = _scores(q, k)
+    alias.mul_(2.0)
+    return F.softmax(att, dim=-1) @ v
+
+
+def _probs_modified_in_place(q, k, v):
+    att = F.softmax(_scores(q, k), dim=-1)
+    att.mul_(2.0)
+    return att @ v
+
+
+def _masked_fill_minus_1e4(q, k, v):
+    return F.softmax(_scores(q, k).masked_fill(~_causal(q.shape[-2]), -1e4), dim=-1) @ v
+
+
+def _additive_minus_1e4(q, k, v):
+    return F.softmax(_scores(q, k) + torch.zeros(8, 8).masked_fill(~_causal(8), -1e4), dim=-1) @ v
+
+
+def _probs_rounded_to_bf16(q, k, v):
+    return F.softmax(_scores(q, k), dim=-1).to(torch.bfloat16).to(torch.float32) @ v
+
+
+def _softmax_positional_fp16_dtype(q, k, v):
+    return _scores(q, k).softmax(-1, torch.float16).float() @ v
+
+
+def _tril_in_place_mask(q, k, v):
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    mask.tril_()  # the shadow of ones() is stale now
+    return F.softmax(_scores(q, k).masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def _zero_d_tensor_scale(q, k, v):
+    return F.softmax((q @ k.mT) * torch.tensor(0.3), dim=-1) @ v
+
+
+def _bias_broadcasting_scores_up(q, k, v):
+    return F.softmax(_scores(q, k) + torch.zeros(3, 1, 1, 8, 8), dim=-1) @ v
+
+
+def _fully_masked_rows_finfo_min(q, k, v):  # Sq > Sk: bottom-right causal leaves rows that see no key
+    sq, sk = q.shape[-2], k.shape[-2]
+    visible = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    return F.softmax(_scores(q, k).masked_fill(~visible, torch.finfo(torch.float32).min), dim=-1) @ v
+
+
+def _softmax_over_queries(q, k, v):
+    return F.softmax(_scores(q, k), dim=-2) @ v
+
+
+def _where_band_mask(q, k, v):
+    band = _causal(8) & torch.ones(8, 8, dtype=torch.bool).triu(-3)
+    return F.softmax(torch.where(band, _scores(q, k), float("-inf")), dim=-1) @ v
+
+
+def _matmul_into_out_buffer(q, k, v):
+    att = F.softmax(_scores(q, k).masked_fill(~_causal(8), float("-inf")), dim=-1)
+    buf = torch.zeros(2, 2, 8, 8)
+    torch.matmul(att, v, out=buf)  # the model reads buf: a fused op returning a new tensor leaves it zero
+    return buf
+
+
+def _sdpa_causal_fewer_queries(q, k, v):  # SDPA's is_causal is top-left aligned, the fused op's bottom-right
+    return F.scaled_dot_product_attention(q[..., :5, :], k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("fn,reason", [
+    (_inplace_on_view_of_scores, "in-place op on the attention scores"),
+    (_view_mul_of_scores, "in-place op on the attention scores"),
+    (_q_modified_after_scores, "in-place op on q"),
+    (_k_modified_through_kT, "in-place op on k"),
+    (_scores_modified_through_detach, "in-place op on the attention scores"),
+    (_q_modified_through_data, "`.data` of a (2, 2, 8, 8) tensor"),
+    (_probs_modified_in_place, "in-place op on the attention probs"),
+    (_masked_fill_minus_1e4, "masked_fill value -10000.0"),
+    (_additive_minus_1e4, "not a causal 0/-inf mask"),
+    (_probs_rounded_to_bf16, None),
+    (_softmax_positional_fp16_dtype, None),
+    (_tril_in_place_mask, "not recognised as causal"),
+    (_zero_d_tensor_scale, None),
+    (_bias_broadcasting_scores_up, None),
+    (_sdpa_causal_fewer_queries, "top-left aligned"),
+    (_softmax_over_queries, None),
+    (_where_band_mask, "torch.where mask not recognised as causal"),
+    (_matmul_into_out_buffer, None),
+])
+def test_what_the_fused_op_would_compute_differently_is_left_alone(fn, reason):
+    q, k, v = _qkv()
+    router, out, expect = _routed_and_eager(fn, q, k, v)
+    assert router.routed == 0, fn.__name__
+    assert out.shape == expect.shape and torch.equal(out, expect)
+    if reason is not None:
+        assert any(reason in r for r in router.passed), router.passed
+
+
+def test_rows_that_see_no_key_are_left_alone():
+    q, k, v = _qkv(T=8, Tk=6)
+    router, out, expect = _routed_and_eager(_fully_masked_rows_finfo_min, q, k, v)
+    assert router.routed == 0 and torch.equal(out, expect)
+    assert any("not recognised as causal" in r for r in router.passed)
+
+
+def _hf_finfo_min_additive(q, k, v):  # HF's causal mask: 0 visible, finfo(dtype).min blocked
+    mask = torch.full((8, 8), torch.finfo(q.dtype).min).triu(1)[None, None]
+    att = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5 + mask
+    return F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _masked_fill_finfo_min(q, k, v):
+    return F.softmax(_scores(q, k).masked_fill(~_causal(8), torch.finfo(q.dtype).min), dim=-1) @ v
+
+
+def _inplace_nanogpt(q, k, v):
+    att = q @ k.transpose(-2, -1)
+    att /= math.sqrt(q.shape[-1])
+    att.masked_fill_(~_causal(8), float("-inf"))
+    return F.softmax(att, dim=-1) @ v
+
+
+def _inplace_mul_and_additive_mask(q, k, v):
+    att = torch.matmul(q, k.mT)
+    att.mul_(0.25)
+    att += torch.zeros(8, 8).masked_fill(~_causal(8), float("-inf"))
+    return torch.softmax(att, -1) @ v
+
+
+def _where_gpt2_hf(q, k, v):  # HF's GPT-2 eager attention: where(causal, scores, full([], finfo.min))
+    att = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], v.size(-1) ** 0.5).item()
+    fill = torch.full([], torch.finfo(att.dtype).min, dtype=att.dtype)
+    return F.softmax(torch.where(_causal(8)[None, None], att, fill), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [_hf_finfo_min_additive, _masked_fill_finfo_min, _inplace_nanogpt,
+                                _inplace_mul_and_additive_mask, _where_gpt2_hf])
+def test_proven_causal_spellings_are_fused(fn):
+    q, k, v = _qkv()
+    router, out, expect = _routed_and_eager(fn, q, k, v)
+    assert router.routed == 1 and router.passed == []
+    assert torch.allclose(out, expect, rtol=1e-5, atol=1e-6)
+
+
+class _BufferEditedInForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8))  # minGPT: float 0/1
+
+    def forward(self, q, k, v):
+        self.bias[..., 0, 1] = 1.0  # the copy taken before tracing is stale now
+        att = _scores(q, k).masked_fill(self.bias == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+
+def test_mask_buffer_modified_in_place_is_not_trusted():
+    q, k, v = _qkv()
+    router, out, expect = _routed_and_eager(lambda m, *t: m(*t), q, k, v, model_factory=_BufferEditedInForward)
+    assert router.routed == 0 and torch.equal(out, expect)
+    assert any("not recognised as causal" in r for r in router.passed)
+
+
+def _inplace_dropout_result_unused(q, k, v):
+    att = F.softmax(_scores(q, k).masked_fill(~_causal(8), float("-inf")), dim=-1)
+    F.dropout(att, 0.5, True, inplace=True)  # modifies att: a replacement would leave att undropped
+    return att @ v
+
+
+def _inplace_dropout(q, k, v):
+    att = F.softmax(_scores(q, k).masked_fill(~_causal(8), float("-inf")), dim=-1)
+    return torch.nn.Dropout(0.5, inplace=True)(att) @ v
+
+
+@pytest.mark.parametrize("fn", [_inplace_dropout_result_unused, _inplace_dropout])
+@pytest.mark.parametrize("mode", [True, "all"])
+def test_inplace_dropout_is_never_replaced(fn, mode):
+    q, k, v = _qkv()
+    router, out, expect = _routed_and_eager(fn, q, k, v, mode=mode)
+    assert router.routed == 0 and torch.equal(out, expect)
+    assert any("in-place op on the attention probs" in r for r in router.passed), router.passed
