@@ -5,6 +5,13 @@ and getitem that only aliases what it created (a view frees nothing and costs no
 lives while any alias of it is live). Views of parameters and inputs alias resident memory and are
 not nodes at all. A storage used by nothing is counted as the op's workspace.
 
+What the real step holds, not only what the trace shows (so the simulator matches the measured CPU
+peak to the byte): each storage has the size the real kernel gives it (workspace.py runs every op
+once: CPU mse_loss's 0-d loss is a view of a batch-sized buffer); the new values of mutated
+buffers (BatchNorm's running statistics) are `forward_kept`, dropped when the forward ends or after
+their last backward reader; the backward's tangents are listed with their readers, as they only
+exist once the backward starts (see TrainingGraph).
+
 Before grouping, `native_dropout`'s output is split off its mask: `native_dropout` keeps producing
 the mask (random, never recomputed, 1 byte per element) and the output becomes `x * mask * scale`,
 the very arithmetic the CPU kernel performs (bit-identical), which can be recomputed freely. Without
@@ -21,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from remat.graph_capture.training_graph import Node, TrainingGraph
-from remat.graph_capture.workspace import probe_workspaces
+from remat.graph_capture.workspace import OpProbe, probe_ops
 
 __all__ = ["JointGraphInfo", "build_training_graph", "split_dropout_outputs", "BYTES_WEIGHT"]
 
@@ -59,12 +66,30 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
+def _dropout_scale(scale: float, x: torch.Tensor) -> float:
+    """The factor eager dropout really multiplies `x` (and, backward, its gradient) by. On CPU,
+    `F.dropout` multiplies by a noise tensor of x's dtype, so under autocast (bfloat16/float16)
+    1/(1-p) is rounded to that dtype first (1/0.9 -> 1.109375 in bfloat16); the traced graph's
+    native_dropout / native_dropout_backward with the unrounded float are off by one rounding in
+    ~25% of elements, so the rewrite uses the rounded factor (a no-op for float32/float64). CUDA's
+    fused kernel multiplies by the float32 factor, as `mul` with a Python float does: left as is.
+    [engineer D: found under autocast, tests/test_autocast.py]"""
+    if x.device.type == "cpu" and x.dtype.is_floating_point:
+        return float(torch.tensor(scale, dtype=x.dtype))
+    return scale
+
+
 def split_dropout_outputs(gm: fx.GraphModule) -> int:
     """Rewrite getitem(native_dropout(x, p, True), 0) as mul(mul(x, mask), 1/(1-p)). Returns the
     number of dropouts rewritten."""
     g = gm.graph
-    count = 0
+    count = rescaled = 0
     for nd in list(g.nodes):
+        if nd.target is aten.native_dropout_backward.default:  # its scale, as eager's (see above)
+            grad, mask, scale = nd.args[:3]
+            nd.args = (grad, mask, _dropout_scale(float(scale), grad.meta["val"]), *nd.args[3:])
+            rescaled += 1
+            continue
         if nd.target is not aten.native_dropout.default:
             continue
         x, p = nd.args[0], float(nd.args[1])
@@ -75,7 +100,7 @@ def split_dropout_outputs(gm: fx.GraphModule) -> int:
         if 0 not in outs or 1 not in outs:
             continue
         out, mask = outs[0], outs[1]
-        scale = 1.0 / (1.0 - p)
+        scale = _dropout_scale(1.0 / (1.0 - p), x.meta["val"])
         with g.inserting_after(mask):
             m1 = g.call_function(aten.mul.Tensor, (x, mask))
         with g.inserting_after(m1):
@@ -90,7 +115,7 @@ def split_dropout_outputs(gm: fx.GraphModule) -> int:
         out.replace_all_uses_with(m2)
         g.erase_node(out)
         count += 1
-    if count:
+    if count or rescaled:
         g.lint()
         gm.recompile()
     return count
@@ -118,6 +143,52 @@ def _traffic_bytes(n: fx.Node) -> int:
     return read + written
 
 
+def _is_mutation(desc) -> bool:
+    """Whether an output descriptor of AOTAutograd's joint graph is a mutated input's new value."""
+    try:
+        from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+    except ImportError:  # a torch without descriptors: count the output as kept (conservative)
+        return False
+    return isinstance(desc, InputMutationAOTOutput)
+
+
+def _is_tangent(n: fx.Node) -> bool:
+    desc = n.meta.get("desc")
+    if desc is not None and hasattr(desc, "is_tangent"):
+        return bool(desc.is_tangent())
+    return n.name.startswith("tangents")  # AOTAutograd's own naming (partitioners._is_tangent)
+
+
+def _tangents(g: fx.Graph, group_of: dict[fx.Node, fx.Node],
+              aliases: set[fx.Node]) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """(bytes, readers) of each tangent input of the backward. The loss's tangent is the seed
+    gradient autograd's engine creates for `loss.backward()` and holds until the backward returns:
+    no readers (held to the end). The tangents of other outputs are, in the step the budget covers
+    (`model(...)[loss].backward()`), zeros that AOTAutograd creates and the backward graph drops
+    after their last reader. The loss is taken to be every 0-d output, or the only output: an output
+    the user also backpropagates through is outside the planned step (OutsideBudgetWarning)."""
+    ts = [n for n in g.nodes if n.op == "placeholder" and _is_tangent(n)
+          and isinstance(n.meta.get("val"), torch.Tensor)]
+
+    def readers(n: fx.Node) -> set[str]:
+        out: set[str] = set()
+        for u in n.users:
+            if u in aliases:  # a view of the tangent, emitted up front: its readers read the tangent
+                out |= readers(u)
+            elif group_of.get(u) is not None:
+                out.add(group_of[u].name)
+        return out
+
+    def returned(n: fx.Node) -> bool:  # a gradient that is the tangent itself lives to the end
+        return any(u.op == "output" or (u in aliases and returned(u)) for u in n.users)
+
+    result = []
+    for n in ts:
+        held = len(ts) == 1 or n.meta["val"].dim() == 0 or returned(n)
+        result.append((_storage_bytes(n.meta["val"]), () if held else tuple(sorted(readers(n)))))
+    return tuple(result)
+
+
 def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "",
                          probe: bool = True) -> JointGraphInfo:
     """Group the (already dropout-split) joint graph into allocation nodes. With `probe`, each
@@ -126,13 +197,27 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     output_node = g.output_node()
     out_args = list(output_node.args[0])
     output_nodes = {a for a in out_args if isinstance(a, fx.Node)}
+    # outputs that are only the new values of mutated inputs (AOTAutograd's output descriptors):
+    # the forward copies them into the inputs and drops them (see TrainingGraph's forward_kept)
+    descs = output_node.meta.get("desc")
+    if not isinstance(descs, (list, tuple)) or len(descs) != len(out_args):
+        descs = [None] * len(out_args)
+    user_visible = {a for a, d in zip(out_args, descs) if isinstance(a, fx.Node) and not _is_mutation(d)}
 
     storage_owner: dict[StorageWeakRef, fx.Node] = {}  # storage -> fx node that allocated it
     storage_bytes: dict[StorageWeakRef, int] = {}
+    traced_excess: dict[StorageWeakRef, int] = {}  # real minus traced bytes, where they differ
     resident: set[StorageWeakRef] = set()
     group_of: dict[fx.Node, fx.Node] = {}  # fx node -> owning (allocating) fx node, or None if resident
     resident_aliases: list[fx.Node] = []
     resident_bytes = 0
+
+    # run each op once on real tensors: its workspace, and the real size of its outputs' storages
+    probed = OpProbe()
+    if probe:
+        devices = {t.device for n in g.nodes if n.op == "placeholder" for t in _tensors(n.meta.get("val"))}
+        if len(devices) == 1:
+            probed = probe_ops(gm, next(iter(devices)))
 
     for n in g.nodes:
         if n.op == "placeholder":
@@ -145,16 +230,22 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
         if n.op != "call_function":
             continue
         refs = [StorageWeakRef(t.untyped_storage()) for t in _tensors(n.meta.get("val"))]
+        real = probed.out_storages.get(n.name, ())
         owners = set()
         fresh = False
-        for ref, t in zip(refs, _tensors(n.meta.get("val"))):
+        for j, (ref, t) in enumerate(zip(refs, _tensors(n.meta.get("val")))):
             if ref in resident:
                 owners.add(None)
             elif ref in storage_owner:
                 owners.add(storage_owner[ref])
             else:
                 storage_owner[ref] = n
-                storage_bytes[ref] = _storage_bytes(t)
+                # what the real kernel's output holds, where the probe saw it (mse_loss's 0-d loss
+                # is a view of a batch-sized buffer); the fake tensor's own size otherwise
+                real_b = real[j] if len(real) == len(refs) else None
+                storage_bytes[ref] = real_b if real_b is not None else _storage_bytes(t)
+                if storage_bytes[ref] != _storage_bytes(t):
+                    traced_excess[ref] = storage_bytes[ref] - _storage_bytes(t)
                 fresh = True
         if fresh or not refs:  # allocates (or produces no tensor: a tuple op, kept as its own group)
             group_of[n] = n
@@ -174,14 +265,9 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     def group_key(fxn: fx.Node) -> fx.Node | None:
         return group_of.get(fxn)
 
-    probed: dict[str, int] = {}
-    if probe:
-        devices = {t.device for n in g.nodes if n.op == "placeholder" for t in _tensors(n.meta.get("val"))}
-        if len(devices) == 1:
-            probed = probe_workspaces(gm, next(iter(devices)))
-
     nodes: list[Node] = []
     fx_groups: dict[str, list[fx.Node]] = {}
+    traced: dict[str, list[int]] = {}  # node -> [out_bytes, kept_bytes] as traced, where they differ
     for owner, members in groups.items():
         member_set = set(members)
         inputs: list[str] = []
@@ -194,7 +280,9 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
                     inputs.append(k.name)
         # bytes of each storage this group allocated, split by whether anything outside reads it
         out_b = kept_b = ws_b = 0
+        excess_out = excess_kept = 0  # what the real storages hold beyond the traced ones
         parts: list[tuple[int, tuple[str, ...]]] = []  # (bytes, readers) of each read storage
+        fwd_kept: list[tuple[int, tuple[str, ...]]] = []  # (bytes, readers) of mutation outputs
         owned = [r for r, o in storage_owner.items() if o is owner]
         for ref in owned:
             aliases = [m for m in members if any(StorageWeakRef(t.untyped_storage()) == ref
@@ -204,14 +292,18 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
                               if u not in member_set and u in group_of})
             if is_out:
                 kept_b += storage_bytes[ref]
+                excess_kept += traced_excess.get(ref, 0)
+                if not any(m in user_visible for m in aliases):  # a mutated buffer's new value
+                    fwd_kept.append((storage_bytes[ref], tuple(readers)))
             elif readers:
                 out_b += storage_bytes[ref]
+                excess_out += traced_excess.get(ref, 0)
                 parts.append((storage_bytes[ref], tuple(readers)))
             else:
                 ws_b += storage_bytes[ref]
         # several outputs (layer/batch norm, ...): each lives until its own last reader has run
         out_parts = tuple(parts) if len(parts) > 1 else ()
-        ws_b += max((probed.get(m.name, 0) for m in members), default=0)
+        ws_b += max((probed.workspace.get(m.name, 0) for m in members), default=0)
         # the owner does the work; its views and getitems launch nothing (VIEW_COST each)
         flops = _flops(owner)
         cost = flops + BYTES_WEIGHT * _traffic_bytes(owner) + VIEW_COST * (len(members) - 1)
@@ -222,9 +314,17 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
                           workspace_bytes=ws_b, cost=max(cost, VIEW_COST), flops=flops,
                           is_backward=_is_backward(owner), is_random=is_random,
                           module_path=owner.meta.get("remat_module_path", ""),
-                          members=tuple(m.name for m in members), out_parts=out_parts))
+                          members=tuple(m.name for m in members), out_parts=out_parts,
+                          forward_kept=tuple(fwd_kept)))
         fx_groups[owner.name] = members
-    tg = TrainingGraph(nodes=tuple(nodes), resident_bytes=resident_bytes, name=name,
-                       meta={"fx_nodes": sum(1 for _ in g.nodes), "num_fwd_outputs": num_fwd_outputs})
+        if excess_out or excess_kept:
+            traced[owner.name] = [out_b - excess_out, kept_b - excess_kept]
+    # the traced sizes where the real ones differ: the fingerprint hashes these, so a plan saved on
+    # one machine still matches the same graph traced on another (see TrainingGraph.fingerprint)
+    meta = {"fx_nodes": sum(1 for _ in g.nodes), "num_fwd_outputs": num_fwd_outputs}
+    if traced:
+        meta["traced_bytes"] = traced
+    tg = TrainingGraph(nodes=tuple(nodes), resident_bytes=resident_bytes, name=name, meta=meta,
+                       tangents=_tangents(g, group_of, set(resident_aliases)))
     return JointGraphInfo(gm=gm, num_fwd_outputs=num_fwd_outputs, groups=fx_groups,
                           resident_aliases=resident_aliases, graph=tg)

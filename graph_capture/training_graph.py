@@ -8,9 +8,17 @@ Memory model (the simulator in `remat.solver.simulator` is its single judge):
     computed instance (a recomputation makes a new instance); an op with several outputs may
     list them in `out_parts` (bytes, readers), and each part is then freed after the last read
     by one of its own readers;
-  * `kept_bytes` are graph outputs (the loss, parameter gradients): they stay live to the end;
+  * `kept_bytes` are graph outputs (the loss, parameter gradients): they stay live to the end,
+    except the parts listed in `forward_kept` (new values of mutated buffers, e.g. BatchNorm's
+    running statistics): AOTAutograd's forward copies those into the buffers and drops them, so
+    they are freed when the forward ends, or after their last backward reader if one reads them;
   * `workspace_bytes` are temporaries that exist only while the node runs;
-  * `resident_bytes` (parameters, buffers, inputs) are live throughout.
+  * `resident_bytes` (parameters, buffers, inputs, and the backward's tangents) are live
+    throughout, except the `tangents`, which are created when the backward starts (the loss's seed
+    gradient by autograd; zeros by AOTAutograd for outputs that get no gradient, freed after their
+    last reader).
+The forward ends at the first computation of the last forward node (graph order), as the runtime
+splits it. Solvers that ignore `forward_kept` and `tangents` overestimate, never underestimate.
 """
 from __future__ import annotations
 
@@ -38,6 +46,9 @@ class Node:
     # separate outputs with their own readers (bytes, reader names), summing to out_bytes; empty:
     # one value that every reader reads
     out_parts: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    # parts of kept_bytes alive only to the end of the forward or their last reader, whichever is
+    # later (bytes, reader names): new values of mutated buffers
+    forward_kept: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     @property
     def recomputable(self) -> bool:
@@ -48,9 +59,12 @@ class Node:
 @dataclass(frozen=True)
 class TrainingGraph:
     nodes: tuple[Node, ...]  # a topological order: forward nodes first, then backward
-    resident_bytes: int  # parameters, buffers, inputs (and the loss tangent)
+    resident_bytes: int  # parameters, buffers, inputs (and the tangents)
     name: str = ""
     meta: dict = field(default_factory=dict, compare=False, hash=False)  # free-form provenance
+    # the backward's tangent inputs, part of resident_bytes but created when the backward starts:
+    # (bytes, reader names); no readers: held to the end of the step (the loss's seed gradient)
+    tangents: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def __post_init__(self):
         seen: set[str] = set()
@@ -62,9 +76,13 @@ class TrainingGraph:
                     raise ValueError(f"node {n.name!r} reads {i!r}, which is not an earlier node")
             if n.out_parts and sum(b for b, _ in n.out_parts) != n.out_bytes:
                 raise ValueError(f"node {n.name!r}: out_parts do not add up to out_bytes")
+            if sum(b for b, _ in n.forward_kept) > n.kept_bytes:
+                raise ValueError(f"node {n.name!r}: forward_kept exceeds kept_bytes")
             if n.cost <= 0:
                 raise ValueError(f"node {n.name!r} has cost {n.cost}; every node must cost > 0")
             seen.add(n.name)
+        if sum(b for b, _ in self.tangents) > self.resident_bytes:
+            raise ValueError("tangents exceed resident_bytes")
 
     # ---- lookups -----------------------------------------------------------------------------
     @cached_property
@@ -113,12 +131,16 @@ class TrainingGraph:
     def fingerprint(self) -> str:
         """A short hash of the structure, sizes and flags: a saved plan must match it to deploy.
         Workspace bytes are measured on the machine and are left out, so a plan made on one
-        machine deploys on another (the runtime re-simulates it there)."""
+        machine deploys on another (the runtime re-simulates it there); so are output storages the
+        real kernels make larger than traced: for those nodes `meta["traced_bytes"]` holds the
+        traced [out_bytes, kept_bytes], which are hashed instead."""
         import hashlib
 
+        traced = self.meta.get("traced_bytes", {})
         h = hashlib.sha256()
         for n in self.nodes:
-            h.update(f"{n.name}|{n.op}|{n.inputs}|{n.out_bytes}|{n.kept_bytes}|"
+            out_b, kept_b = traced.get(n.name, (n.out_bytes, n.kept_bytes))
+            h.update(f"{n.name}|{n.op}|{n.inputs}|{out_b}|{kept_b}|"
                      f"{n.is_backward}|{n.is_random};".encode())
         h.update(str(self.resident_bytes).encode())
         return h.hexdigest()[:16]
@@ -126,15 +148,19 @@ class TrainingGraph:
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"name": self.name, "resident_bytes": self.resident_bytes, "meta": self.meta,
-                "nodes": [asdict(n) for n in self.nodes]}
+                "nodes": [asdict(n) for n in self.nodes], "tangents": [list(t) for t in self.tangents]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainingGraph":
+        def parts(ps) -> tuple:
+            return tuple((b, tuple(r)) for b, r in ps)
+
         nodes = tuple(Node(**{**n, "inputs": tuple(n["inputs"]), "members": tuple(n["members"]),
-                               "out_parts": tuple((b, tuple(r)) for b, r in n.get("out_parts", ()))})
+                               "out_parts": parts(n.get("out_parts", ())),
+                               "forward_kept": parts(n.get("forward_kept", ()))})
                       for n in d["nodes"])
         return cls(nodes=nodes, resident_bytes=d["resident_bytes"], name=d.get("name", ""),
-                   meta=d.get("meta", {}))
+                   meta=d.get("meta", {}), tangents=parts(d.get("tangents", ())))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

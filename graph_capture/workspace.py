@@ -1,20 +1,31 @@
-"""Measure each op's internal temporaries (workspace) by running it once on real tensors.
+"""Measure each op's internal temporaries (workspace) and real output storages by running it once.
 
 Kernels allocate scratch memory the graph does not show: CPU `native_dropout` draws its mask as a
-float tensor before converting it to bool, its backward converts the mask back, and so on. The
-simulator must count these to predict the real peak, so we run every distinct op signature of
-the joint graph once (random data of the traced shapes) and record how far its peak rises above
-its inputs and outputs. On CPU the profiler's memory events give that peak, on CUDA the
-allocator's counters. Ops on the meta device cannot be probed and count no workspace.
+float tensor before converting it to bool, its backward converts the mask back, `mse_loss` keeps
+an elementwise buffer and a double accumulator while it reduces, and so on. The simulator must count
+these to predict the real peak, so we run every distinct op signature of the joint graph once
+(random data of the traced shapes) and record how far its peak rises above its inputs and outputs.
+On CPU the profiler's memory events give that peak to the byte (every allocation counts, however
+small); on CUDA the allocator's counters. Ops on the meta device cannot be probed and count no
+workspace.
+
+The same run records the real size of each output's storage: a kernel may return a view into a
+larger buffer it allocated, which the trace's fake tensors do not show (CPU `mse_loss` returns its
+0-d mean as a view of the elementwise squared error: the loss holds batch x features x 4 bytes,
+not 4). The graph must count what the real output holds.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.fx as fx
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, record_function
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["probe_workspaces"]
+from remat.measure import quiet_profile  # the profiler without Kineto's USDT lines on stderr
+
+__all__ = ["OpProbe", "probe_ops", "probe_workspaces"]
 
 
 def _real(v, device: torch.device):
@@ -46,34 +57,68 @@ def _signature(n: fx.Node) -> tuple:
     return (str(n.target), sig(n.args), sig(tuple(sorted(n.kwargs.items()))))
 
 
-def _out_bytes(out) -> int:
+def _flat(out) -> list[torch.Tensor]:
+    """The tensors of an op's result, in the order build.py's `_tensors` lists a node's value."""
     if isinstance(out, torch.Tensor):
-        return out.untyped_storage().nbytes()
+        return [out]
     if isinstance(out, (list, tuple)):
-        seen, total = set(), 0
-        for t in out:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
-        return total
-    return 0
+        return [t for v in out for t in _flat(v)]
+    return []
 
 
-def probe_workspaces(gm: fx.GraphModule, device: torch.device, min_bytes: int = 4096) -> dict[str, int]:
+def _storages(out, inputs) -> tuple[int | None, ...]:
+    """Real storage bytes of each output tensor; None where it is an input's storage (a view)."""
+    held = {t.untyped_storage().data_ptr() for t in _flat(inputs)}
+    return tuple(None if t.untyped_storage().data_ptr() in held else int(t.untyped_storage().nbytes())
+                 for t in _flat(out))
+
+
+def _out_bytes(out, inputs) -> int:
+    """Bytes of the distinct storages the op's result holds that are not its inputs'."""
+    held = {t.untyped_storage().data_ptr() for t in _flat(inputs)}
+    seen, total = set(), 0
+    for t in _flat(out):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in held and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+@dataclass
+class OpProbe:
+    """What running each op once showed, by fx node name (nodes that could not run are absent)."""
+
+    workspace: dict[str, int] = field(default_factory=dict)  # bytes beyond the outputs while it runs
+    # real storage bytes of each tensor output, in `_tensors` order; None: an input's storage
+    out_storages: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
+
+
+def probe_workspaces(gm: fx.GraphModule, device: torch.device, min_bytes: int | None = None) -> dict[str, int]:
     """fx node name -> bytes its op allocates beyond its outputs while it runs."""
+    return probe_ops(gm, device, min_bytes).workspace
+
+
+def probe_ops(gm: fx.GraphModule, device: torch.device, min_bytes: int | None = None) -> OpProbe:
+    """Run every distinct op signature of `gm` once on `device`. Workspaces under `min_bytes`
+    count as 0: by default none on CPU, where the profiler counts every byte exactly and the
+    simulator is meant to match it, and 4 KiB on CUDA, whose allocator rounds each block up (512
+    bytes and more), so small differences there are rounding, not scratch memory."""
+    if min_bytes is None:
+        min_bytes = 0 if device.type == "cpu" else 4096
     # AOTAutograd calls the partitioner with its fake-tensor mode active: step outside it
     with _disable_current_modes():
         return _probe(gm, device, min_bytes)
 
 
-def _probe(gm: fx.GraphModule, device: torch.device, min_bytes: int) -> dict[str, int]:
+def _probe(gm: fx.GraphModule, device: torch.device, min_bytes: int) -> OpProbe:
+    result = OpProbe()
     if device.type not in ("cpu", "cuda"):
-        return {}
+        return result
     todo: dict[tuple, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
             todo.setdefault(_signature(n), []).append(n)
-    result: dict[str, int] = {}
     cases = []
     for sig, nodes in todo.items():
         n = nodes[0]
@@ -83,6 +128,12 @@ def _probe(gm: fx.GraphModule, device: torch.device, min_bytes: int) -> dict[str
         except Exception:
             continue
         cases.append((nodes, args, kwargs))
+
+    def record(nodes, extra: int, storages: tuple) -> None:
+        for m in nodes:
+            result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0
+            result.out_storages[m.name] = storages
+
     if device.type == "cuda":
         for nodes, args, kwargs in cases:
             torch.cuda.synchronize()
@@ -93,29 +144,32 @@ def _probe(gm: fx.GraphModule, device: torch.device, min_bytes: int) -> dict[str
             except Exception:
                 continue
             torch.cuda.synchronize()
-            extra = torch.cuda.max_memory_allocated() - base - _out_bytes(out)
+            inputs = (args, list(kwargs.values()))
+            record(nodes, torch.cuda.max_memory_allocated() - base - _out_bytes(out, inputs),
+                   _storages(out, inputs))
             del out
-            for m in nodes:
-                result[m.name] = max(0, extra) if extra >= min_bytes else 0
         return result
-    outs: list[int] = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    outs: list[tuple[int, tuple] | None] = []
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i, (nodes, args, kwargs) in enumerate(cases):
             with record_function(f"remat_probe_{i}"):
                 try:
                     out = nodes[0].target(*args, **kwargs)
-                    outs.append(_out_bytes(out))
-                    del out
                 except Exception:
-                    outs.append(-1)
+                    outs.append(None)
+                    continue
+            inputs = (args, list(kwargs.values()))
+            outs.append((_out_bytes(out, inputs), _storages(out, inputs)))
+            del out  # outside the range: its free is not part of the op
     events = list(prof.profiler.kineto_results.events())
     ranges = {}
     for e in events:
         if e.name().startswith("remat_probe_"):
             ranges[int(e.name().rsplit("_", 1)[1])] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events
+                 if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     for i, (nodes, _, _) in enumerate(cases):
-        if outs[i] < 0 or i not in ranges:
+        if outs[i] is None or i not in ranges:
             continue
         lo, hi = ranges[i]
         live = peak = 0
@@ -123,7 +177,5 @@ def _probe(gm: fx.GraphModule, device: torch.device, min_bytes: int) -> dict[str
             if lo <= t <= hi:
                 live += b
                 peak = max(peak, live)
-        extra = peak - outs[i]
-        for m in nodes:
-            result[m.name] = extra if extra >= min_bytes else 0
+        record(nodes, peak - outs[i][0], outs[i][1])
     return result

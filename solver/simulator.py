@@ -8,6 +8,13 @@ when nothing reads it), exactly as fx-generated code drops a value after its las
 At the moment node v runs, memory is
     resident + kept outputs so far + live instances + v.out_bytes + v.kept_bytes + v.workspace_bytes
 and the peak is the maximum of that over the schedule.
+
+The step is split where the runtime splits it: the forward ends at the first computation of the
+last forward node. The graph's tangents (part of resident) only exist from the start of the
+backward (autograd creates the loss's seed gradient when backward() is called, AOTAutograd the
+zeros for outputs that get none, freed after their last reader), and the nodes' `forward_kept`
+outputs (new values of mutated buffers) are freed when the forward ends, or after their last
+reader if that is later. These make the prediction equal the measured CPU peak to the byte.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 
 from remat.graph_capture.training_graph import TrainingGraph
 
-__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads"]
+__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "forward_end"]
 
 
 class ScheduleError(ValueError):
@@ -69,6 +76,40 @@ def last_reads(graph: TrainingGraph, schedule: list[str]) -> list[list[tuple[str
     return frees
 
 
+def forward_end(graph: TrainingGraph, schedule: list[str]) -> int | None:
+    """Index of the schedule's last forward step (the first computation of the graph's last
+    forward node, where runtime/partition.py splits the step); None without a backward."""
+    fwd = graph.forward_nodes
+    if len(fwd) == len(graph.nodes) or not fwd or fwd[-1].name not in schedule:
+        return None
+    return schedule.index(fwd[-1].name)
+
+
+def _releases(graph: TrainingGraph, schedule: list[str], end: int | None) -> dict[int, int]:
+    """Bytes freed after each step besides the values' own last reads: the tangents that are not
+    held to the end, and the forward-kept outputs (never recomputed: they are kept outputs)."""
+    out: dict[int, int] = {}
+    if end is None:
+        return out
+    steps: dict[str, list[int]] = {}
+    for s, name in enumerate(schedule):
+        steps.setdefault(name, []).append(s)
+
+    def last_read(readers: tuple[str, ...], default: int) -> int:
+        return max([s for r in readers for s in steps.get(r, ())] + [default])
+
+    for b, readers in graph.tangents:
+        if readers:  # zeros AOTAutograd made: the backward graph drops them after their last read
+            s = last_read(readers, end + 1)
+            out[s] = out.get(s, 0) + b
+    for v in graph.nodes:
+        if v.forward_kept and v.name in steps:
+            for b, readers in v.forward_kept:  # not before it is computed, should that be later
+                s = last_read(readers, max(end, steps[v.name][0]))
+                out[s] = out.get(s, 0) + b
+    return out
+
+
 def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     """Replay `schedule` over `graph`; raise ScheduleError if it cannot run."""
     idx = graph.index
@@ -79,7 +120,10 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     frees = last_reads(graph, schedule)
     live: dict[str, dict[int, int]] = {}  # name -> {part: bytes} of its current instance
     kept = 0
-    mem = graph.resident_bytes
+    end = forward_end(graph, schedule)
+    tangent_bytes = sum(b for b, _ in graph.tangents) if end is not None else 0
+    releases = _releases(graph, schedule, end)
+    mem = graph.resident_bytes - tangent_bytes  # the tangents come with the backward
     peak, peak_step = mem, -1
     timeline = []
     total_cost, total_flops, recomputes = 0.0, 0, 0
@@ -95,6 +139,8 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
             recomputes += 1
             if name in live:  # an older instance still pending reads would be shadowed
                 raise ScheduleError(f"step {s} recomputes {name} while its earlier instance is live")
+        if end is not None and s == end + 1:
+            mem += tangent_bytes
         now = mem + v.out_bytes + v.kept_bytes + v.workspace_bytes
         timeline.append(now)
         if now > peak:
@@ -109,6 +155,7 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
             mem -= live[f].pop(k)
             if not live[f]:
                 del live[f]
+        mem -= releases.get(s, 0)
     missing = [n.name for n in graph.nodes if n.name not in computed]
     if missing:
         raise ScheduleError(f"schedule never computes {len(missing)} node(s), e.g. {missing[:5]}")
