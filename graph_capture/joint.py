@@ -3,13 +3,19 @@
 `trace_training_step` flattens (args, kwargs) into tensors, wraps the model so AOTAutograd sees a
 flat function, and runs `aot_module_simplified`. AOTAutograd hands the joint graph to a
 `partition_fn`; we pass our own so that whoever calls this (capture, or the runtime with a plan)
-decides how the graph is split into a forward and a backward.
+decides how the graph is split into a forward and a backward. A partition function ends the trace
+with an error of its own by raising `PartitionFailed(error)`; any other failure is a TraceError.
+
+The compiled step is called with the model's parameters and buffers as they are at each call
+(`CompiledStep`): AOTAutograd binds the objects it saw while tracing, and a model whose
+parameters were replaced since (`load_state_dict(..., assign=True)`) would otherwise keep training
+the old tensors.
 """
 from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,12 +24,29 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
+from remat.graph_capture.outputs import OutputError, OutputStructure
 
-__all__ = ["FlatSignature", "TraceError", "trace_training_step"]
+__all__ = ["FlatSignature", "TraceError", "OutputError", "PartitionFailed", "ParameterMismatchError",
+           "CompiledStep", "trace_training_step"]
 
 
 class TraceError(RuntimeError):
     """The model's training step could not be traced; the message names the op or source line."""
+
+
+class PartitionFailed(Exception):
+    """Raised by a partition function to end tracing with `error`, an error of the caller's own
+    (a budget no plan fits, a saved plan for another graph, ...): trace_training_step raises
+    `error` itself, not a TraceError."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+class ParameterMismatchError(RuntimeError):
+    """The model's parameters or buffers no longer match the ones the step was traced with (other
+    names, shapes, dtypes, devices, requires_grad or tying): the step cannot run them."""
 
 
 @dataclass
@@ -34,9 +57,7 @@ class FlatSignature:
     tensor_positions: list[int]  # which leaves are tensors
     constants: dict[int, Any]  # the non-tensor leaves, fixed at trace time
     tensor_meta: list[tuple[tuple[int, ...], torch.dtype, str]]  # (shape, dtype, device type)
-    out_spec: pytree.TreeSpec | None = None  # filled in while tracing
-    out_tensor_positions: list[int] = field(default_factory=list)
-    out_constants: dict[int, Any] = field(default_factory=dict)
+    outputs: OutputStructure | None = None  # filled in while tracing
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> "FlatSignature":
@@ -77,19 +98,13 @@ class FlatSignature:
         return pytree.tree_unflatten(leaves, self.in_spec)
 
     def record_outputs(self, out: Any) -> list[torch.Tensor]:
-        leaves, self.out_spec = pytree.tree_flatten(out)
-        self.out_tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        self.out_constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
-        return [leaves[i] for i in self.out_tensor_positions]
+        """The output's tensors; OutputError for an output no later call could return."""
+        self.outputs, tensors = OutputStructure.of(out)
+        return tensors
 
     def rebuild_outputs(self, tensors) -> Any:
-        assert self.out_spec is not None
-        leaves: list[Any] = [None] * (len(self.out_tensor_positions) + len(self.out_constants))
-        for i, t in zip(self.out_tensor_positions, tensors):
-            leaves[i] = t
-        for i, c in self.out_constants.items():
-            leaves[i] = c
-        return pytree.tree_unflatten(leaves, self.out_spec)
+        assert self.outputs is not None
+        return self.outputs.rebuild(list(tensors))
 
 
 class _FlatStep(nn.Module):
@@ -104,6 +119,86 @@ class _FlatStep(nn.Module):
     def forward(self, *tensors):
         args, kwargs = self.sig.unflatten(list(tensors))
         return tuple(self.sig.record_outputs(self.model(*args, **kwargs)))
+
+
+def _state_of(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """Names and tensors of the parameters and buffers, in the order aot_module_simplified lifts
+    them as the step's first inputs (tied parameters once per name)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    return list(params) + list(buffers), list(params.values()) + list(buffers.values())
+
+
+def _describe(t: torch.Tensor) -> tuple:
+    # strides too: a traced graph may read its inputs with the strides it saw (as_strided)
+    return tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad
+
+
+def _ties(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, the index of the first one that is the same object (tied weights)."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
+
+
+class CompiledStep:
+    """AOTAutograd's compiled training step, called with the model's parameters and buffers as
+    they are at each call, so a replaced parameter (`load_state_dict(sd, assign=True)`,
+    `model.fc.weight = nn.Parameter(...)`) is the one trained. The graph was traced for the
+    parameters' names, shapes, strides, dtypes, devices, requires_grad and tying; a call that finds any of
+    these changed raises ParameterMismatchError rather than run a graph made for other tensors.
+
+    `forward` is what aot_module_simplified returned; its `__wrapped__` takes the full list
+    (parameters, buffers, inputs). Should a torch version not expose it, the step keeps the
+    traced objects and refuses to run once any of them was replaced."""
+
+    def __init__(self, forward: Callable, step: nn.Module):
+        self._forward = forward
+        self._module = step
+        self._names, tensors = _state_of(step)
+        self._meta = [_describe(t) for t in tensors]
+        self._ties = _ties(tensors)
+        self._traced = tensors
+        raw = getattr(forward, "__wrapped__", None)
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+        bound = cells["params_buffers_flat"].cell_contents if "params_buffers_flat" in cells else None
+        # only rebind if aot_module_simplified bound exactly what we would pass
+        same = bound is not None and len(bound) == len(tensors) and all(a is b for a, b in zip(bound, tensors))
+        self._raw = raw if callable(raw) and same else None
+
+    def _name(self, i: int) -> str:
+        return self._names[i].removeprefix("model.")
+
+    def current_state(self) -> list[torch.Tensor]:
+        """The parameters and buffers to run with now, checked against the traced ones."""
+        names, tensors = _state_of(self._module)
+        if names != self._names:
+            gone = [n.removeprefix("model.") for n in self._names if n not in names]
+            new = [n.removeprefix("model.") for n in names if n not in self._names]
+            raise ParameterMismatchError(
+                f"the model's parameters and buffers changed since remat.optimize traced it (removed: "
+                f"{gone or 'none'}, added: {new or 'none'}); call remat.optimize again")
+        for i, (t, meta) in enumerate(zip(tensors, self._meta)):
+            if _describe(t) != meta:
+                raise ParameterMismatchError(
+                    f"{self._name(i)} is now {_describe(t)} (shape, strides, dtype, device, requires_grad), "
+                    f"traced as {meta}; the planned step cannot run it: call remat.optimize again")
+        if _ties(tensors) != self._ties:
+            i = next(i for i, (a, b) in enumerate(zip(_ties(tensors), self._ties)) if a != b)
+            raise ParameterMismatchError(
+                f"{self._name(i)} is tied to other parameters differently than when traced (shared weights "
+                f"were split or joined); call remat.optimize again")
+        if self._raw is None and any(a is not b for a, b in zip(tensors, self._traced)):
+            i = next(i for i, (a, b) in enumerate(zip(tensors, self._traced)) if a is not b)
+            raise ParameterMismatchError(
+                f"{self._name(i)} was replaced by another tensor since remat.optimize traced the model, "
+                f"and this torch version's compiled step keeps the old one: call remat.optimize again")
+        return tensors
+
+    def __call__(self, *flat: torch.Tensor):
+        state = self.current_state()
+        if self._raw is None:
+            return self._forward(*flat)
+        return self._raw([*state, *flat])
 
 
 def _compile_identity(gm: torch.fx.GraphModule, example_inputs):
@@ -149,7 +244,12 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
     num_fwd_outputs=...)` receives the joint graph and returns (forward_gm, backward_gm).
     With `fused_attention` (True/"exact", "all" or False), attention the fused op can take is traced
     as remat's flash-attention op (see remat.runtime.attention).
-    Returns AOTAutograd's compiled callable (taking the flat tensors) and the signature."""
+    Returns the compiled step (a CompiledStep taking the flat tensors) and the signature.
+    Raises `error` where the partition function raised PartitionFailed(error), OutputError for an
+    output no later call could return, and TraceError for anything else."""
+    from remat.graph_capture.autocast_state import (AutocastState, backward_traced_as_eager, guard_autocast,
+                                                    step_device_types)
+    from remat.graph_capture.hf_compat import traced_as_compiled
     from remat.runtime.attention import fused_attention_mode, route_attention
 
     fused_attention_mode(fused_attention)  # bad values are the caller's error, not a trace failure
@@ -159,24 +259,35 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
     if not any(p.requires_grad for p in model.parameters()) and not any(t.requires_grad for t in flat):
         raise TraceError("nothing requires grad: there is no backward pass to plan")
     step = _FlatStep(model, sig)
+    partitioned = []
     try:
         with record_module_spans(model) as spans, route_attention(fused_attention, model):
             # the spans are complete once tracing is done, which is before AOTAutograd partitions
             def partition_with_paths(joint_gm, joint_inputs, **kw):
                 annotate_module_paths(joint_gm, spans)
+                partitioned.append(True)
                 return partition_fn(joint_gm, joint_inputs, **kw)
 
-            compiled = aot_module_simplified(step, flat, fw_compiler=_compile_identity,
-                                             bw_compiler=_compile_identity,
-                                             partition_fn=partition_with_paths)
-    except TraceError:
+            # [engineer D: mixed precision, library models] trace as torch.compile does, so that
+            # Hugging Face skips its data-dependent mask shortcuts (graph_capture/hf_compat.py); the
+            # step checks each call runs under the autocast it was traced in, the backward without any
+            autocast = AutocastState.current(step_device_types(model, flat))  # (autocast_state.py)
+            with traced_as_compiled(), backward_traced_as_eager():
+                compiled = guard_autocast(
+                    CompiledStep(aot_module_simplified(step, flat, fw_compiler=_compile_identity,
+                                                       bw_compiler=_compile_identity,
+                                                       partition_fn=partition_with_paths), step), autocast)
+    except (TraceError, OutputError):
         raise
+    except PartitionFailed as e:  # the partition function's own error, not a tracing failure
+        raise e.error from None
     except Exception as e:  # tracing failures surface from deep inside torch: name the culprit
-        if getattr(e, "_remat_passthrough", False):
-            raise
         raise TraceError(f"could not trace the training step of {type(model).__name__}: "
                          f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
                          f"  at {_user_frame(e)}") from e
-    if sig.out_spec is None:
+    if sig.outputs is None:
         raise TraceError("tracing did not run the model's forward")
+    if not partitioned:  # AOTAutograd traced it for inference: no output depends on a parameter
+        raise TraceError(f"no output of {type(model).__name__} requires grad (none depends on a parameter "
+                         f"or an input that requires grad): there is no backward pass to plan")
     return compiled, sig

@@ -9,8 +9,11 @@ if _os.path.isfile(_os.path.join(_root, "graph_capture", "__init__.py")) and _ro
     __path__.append(_root)
 
 from remat.api import InfeasibleBudgetError, TraceError, capture, optimize, solve
+from remat.graph_capture.autocast_state import AutocastMismatchError  # [engineer D] a call under another autocast
 from remat.measure import count_flops, measure_peak, resident_bytes
-from remat.solver.plan import Plan
+from remat.solver.plan import Plan, PlanFileError
+from remat.validate import RematArgumentError, RematArgumentTypeError
 
 __all__ = ["optimize", "capture", "solve", "measure_peak", "count_flops", "resident_bytes", "Plan",
-           "InfeasibleBudgetError", "TraceError"]
+           "InfeasibleBudgetError", "TraceError", "PlanFileError", "RematArgumentError", "RematArgumentTypeError",
+           "AutocastMismatchError"]

@@ -10,16 +10,33 @@ from remat.graph_capture.joint import FlatSignature
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.plan import Plan
 
-__all__ = ["RematModule"]
+__all__ = ["RematModule", "ModeMismatchError", "OutsideBudgetWarning"]
+
+
+class ModeMismatchError(RuntimeError):
+    """A call with grad enabled in another train/eval mode than the one the plan was made for: the
+    planned graph would compute the other mode's function, and the model run as it is would
+    ignore the budget."""
+
+
+class OutsideBudgetWarning(UserWarning):
+    """The model returns more than a loss: memory used outside the module is not budgeted."""
+
+
+def _modes(model: nn.Module) -> list[tuple[str, bool]]:
+    return [(name, m.training) for name, m in model.named_modules()]
 
 
 class RematModule(nn.Module):
-    """Wraps the user's model. In training mode with grad enabled, a call runs the planned
-    forward (keeping only what the plan keeps) and the backward recomputes the rest where the plan
-    says. In eval mode or under no_grad there is nothing to plan and the model runs as it is.
+    """Wraps the user's model. With grad enabled, a call runs the planned step: the forward keeps
+    only what the plan keeps and the backward recomputes the rest where the plan says. The plan is
+    for the train/eval mode of every submodule at optimize() time (dropout, BatchNorm); a call
+    with grad enabled in any other mode raises ModeMismatchError. Under no_grad (inference) there
+    is no backward to plan and the model runs as it is, in whatever mode.
 
     Parameters, buffers and state_dict keys are the model's own: an optimizer built over
-    `model.parameters()` before `optimize()` keeps training the same tensors."""
+    `model.parameters()` before `optimize()` keeps training the same tensors, and parameters
+    replaced later (`load_state_dict(sd, assign=True)`) are the ones the step uses and trains."""
 
     def __init__(self, model: nn.Module, compiled_step: Callable, signature: FlatSignature,
                  plan: Plan, graph: TrainingGraph):
@@ -28,12 +45,31 @@ class RematModule(nn.Module):
         # not submodules or buffers: plain attributes, invisible to state_dict and .to()
         self.__dict__["_step"] = compiled_step
         self.__dict__["_signature"] = signature
+        self.__dict__["_planned_modes"] = _modes(model)
         self.__dict__["plan"] = plan
         self.__dict__["graph"] = graph
 
+    def _check_mode(self) -> None:
+        now = _modes(self.module)
+        if now == self._planned_modes:
+            return
+        if [n for n, _ in now] != [n for n, _ in self._planned_modes]:
+            raise ModeMismatchError("the model's submodules changed since remat.optimize traced it; "
+                                    "call remat.optimize again")
+        diff = [(n or type(self.module).__name__, was) for (n, was), (_, is_) in zip(self._planned_modes, now)
+                if was != is_]
+        name, was = diff[0]
+        who = f"{name} and {len(diff) - 1} other submodule(s) are" if len(diff) > 1 else f"{name} is"
+        raise ModeMismatchError(
+            f"this module was planned in {'train' if was else 'eval'} mode, but {who} now in "
+            f"{'eval' if was else 'train'} mode with grad enabled: the plan does not cover this step. Run "
+            f"inference under torch.no_grad(), switch back with .{'train' if was else 'eval'}(), or call "
+            f"remat.optimize on the model in the mode you train it in")
+
     def forward(self, *args, **kwargs):
-        if not (self.module.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():  # inference: nothing to plan
             return self.module(*args, **kwargs)
+        self._check_mode()
         flat = self._signature.flatten(args, kwargs)
         return self._signature.rebuild_outputs(self._step(*flat))
 

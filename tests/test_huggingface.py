@@ -1,0 +1,115 @@
+"""Hugging Face models as people train them: a padded batch with its `attention_mask` and
+`labels=` (the model computes its loss), dropout on. LLaMA, GPT-2, BERT, T5 and ViT, tiny configs
+built in code (nothing downloaded). Each traces, trains one step under a budget between keep_all's
+peak and the lowest one, with the eager model's loss and gradients, and peaks within the budget."""
+import contextlib
+
+import pytest
+import torch
+
+import remat
+from remat.graph_capture import hf_compat, joint
+from remat.solver import get_solver
+
+pytest.importorskip("transformers")
+
+from tests.hf_models import HF_MODELS, hf_batch, hf_model, hf_step  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*not a single loss:UserWarning")  # loss + logits returned
+
+
+def _tensors(batch: dict) -> list[torch.Tensor]:
+    return [v for v in batch.values() if isinstance(v, torch.Tensor)]
+
+
+def _loss_grads_logits(module, params, batch, seed=0):
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    out = module(**batch)
+    out.loss.backward()
+    res = [out.loss.detach()] + [p.grad.clone() for p in params], out.logits.detach(), type(out)
+    for p in params:
+        p.grad = None
+    return res
+
+
+def _assert_close(got, ref):
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_trains_with_padding_mask_under_budget(name):
+    model, batch = hf_model(name, dropout=0.1), hf_batch(name)
+    params = list(model.parameters())
+    graph = remat.capture(model, (), batch)
+    keep = get_solver("keep_all")(graph, None).predicted_peak_bytes
+    lowest = get_solver("equal_spacing")(graph, 1).predicted_peak_bytes
+    assert lowest < keep
+    budget = (keep + lowest) // 2
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=(), example_kwargs=batch,
+                         solver="equal_spacing")
+    assert opt.plan.extra_cost > 0  # it recomputes
+    ref, ref_logits, ref_type = _loss_grads_logits(model, params, batch)
+    got, logits, out_type = _loss_grads_logits(opt, params, batch)
+    assert out_type is ref_type  # the model's own ModelOutput, loss and logits in it
+    _assert_close(got, ref)
+    assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    peak = remat.measure_peak(hf_step(opt, batch), resident=[model, *_tensors(batch)])
+    for p in params:
+        p.grad = None
+    assert peak <= budget, (peak, budget)
+    # the graph holds the mask computation, not the example's mask: another padding pattern (and
+    # a batch without padding, where eager Hugging Face drops the mask) trains as the model does
+    other = hf_batch(name, seed=2)
+    if "attention_mask" in other:
+        other["attention_mask"] = torch.ones_like(other["attention_mask"])
+        other["attention_mask"][0, -9:] = 0
+        other["attention_mask"][2, -1:] = 0
+        for mask in (other["attention_mask"], torch.ones_like(other["attention_mask"])):
+            other["attention_mask"] = mask
+            _assert_close(_loss_grads_logits(opt, params, other)[0], _loss_grads_logits(model, params, other)[0])
+    else:
+        _assert_close(_loss_grads_logits(opt, params, other)[0], _loss_grads_logits(model, params, other)[0])
+    assert not torch.compiler.is_compiling()  # the tracing switch is off again
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_padding_masks_do_not_trace_without_the_switch(name, monkeypatch):
+    """What hf_compat fixes: Hugging Face's mask shortcuts read the padding mask's values."""
+    model, batch = hf_model(name), hf_batch(name)
+    monkeypatch.setattr(hf_compat, "traced_as_compiled", contextlib.nullcontext)
+    monkeypatch.setattr(joint, "traced_as_compiled", contextlib.nullcontext, raising=False)  # if imported there
+    with pytest.raises(remat.TraceError, match="DataDependentOutputException"):
+        remat.capture(model, (), batch)
+
+
+def test_llama_under_autocast_matches_eager_autocast():
+    """Mixed precision on a Hugging Face model: attention dropout in SDPA's float32 math path,
+    RMSNorm and rotary embeddings in float32, matmuls in bfloat16."""
+    model, batch = hf_model("llama", dropout=0.1), hf_batch("llama")
+    params = list(model.parameters())
+
+    def run(module):
+        for p in params:
+            p.grad = None
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = module(**batch).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in params]
+
+    ref = run(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        opt = remat.optimize(model, budget_bytes=2**40, example_inputs=(), example_kwargs=batch, solver="keep_all")
+    assert all(torch.equal(a, b) for a, b in zip(run(opt), ref))
+
+
+def test_a_returned_cache_is_a_clear_error():
+    """Without use_cache=False the decoders return their key/value cache: refused, saying what to pass."""
+    model, batch = hf_model("gpt2"), hf_batch("gpt2")
+    del batch["use_cache"]
+    with pytest.raises(TypeError, match="use_cache=False"):
+        remat.optimize(model, budget_bytes=2**40, example_inputs=(), example_kwargs=batch, solver="keep_all")
