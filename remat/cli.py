@@ -1,20 +1,103 @@
-"""Command line: `remat demo` (the main job) and `remat plan` (solve once, save the plan)."""
+"""Command line: `remat demo` (the main job) and `remat plan` (solve once, save the plan).
+
+Every argument is checked while parsing, before anything is traced or solved: a bad value ends
+the run with one line on stderr (`remat demo: error: ...`) and exit code 2.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.report import format_table, reference_step, run_strategy
-from remat.solver.plan import InfeasibleBudgetError
+from remat.solver import STRATEGIES
+from remat.solver.plan import InfeasibleBudgetError, PlanFileError
+from remat.validate import RematArgumentError
 
 __all__ = ["main"]
 
 MiB = 2**20
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block): `remat demo: error: ...`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# argparse types: each raises ArgumentTypeError, which argparse reports as "argument --x: <message>"
+def _number(s: str) -> float:
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return x
+
+
+def _positive_int(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _count(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {n}")
+    return n
+
+
+def _positive(s: str) -> float:
+    x = _number(s)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s}")
+    return x
+
+
+def _fraction(s: str) -> float:
+    x = _number(s)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {s}")
+    return x
+
+
+def _probability(s: str) -> float:
+    x = _number(s)
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {s}")
+    return x
+
+
+def _output_file(s: str) -> str:
+    """A file we will be able to write at the end: its folder exists and is writable, so a typo
+    fails now and not after minutes of solving."""
+    folder = os.path.dirname(os.path.abspath(s))
+    if os.path.isdir(s):
+        raise argparse.ArgumentTypeError(f"{s!r} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the directory {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"the directory {folder!r} is not writable")
+    return s
 
 
 def _config(a: argparse.Namespace) -> GPTConfig:
@@ -23,49 +106,91 @@ def _config(a: argparse.Namespace) -> GPTConfig:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256, help="sequence length")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--embd", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--budget-frac", type=float, default=0.5,
-                   help="budget as a fraction of keep_all's measured peak (default 0.5)")
-    p.add_argument("--budget-mib", type=float, default=None, help="absolute budget in MiB (overrides --budget-frac)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds")
+    p.add_argument("--layers", type=_positive_int, default=4)
+    p.add_argument("--seq", type=_positive_int, default=256, help="sequence length")
+    p.add_argument("--batch", type=_positive_int, default=8)
+    p.add_argument("--embd", type=_positive_int, default=128, help="width (divisible by --heads, even per head)")
+    p.add_argument("--heads", type=_positive_int, default=4)
+    p.add_argument("--dropout", type=_probability, default=0.1)
+    p.add_argument("--budget-frac", type=_fraction, default=0.5,
+                   help="budget as a fraction of keep_all's measured peak, in (0, 1] (default 0.5)")
+    p.add_argument("--budget-mib", type=_positive, default=None,
+                   help="absolute budget in MiB (overrides --budget-frac)")
+    p.add_argument("--time-limit", type=_positive, default=60.0, help="ILP time limit, seconds")
     p.add_argument("--attention", choices=["explicit", "sdpa"], default="explicit",
                    help="how the model spells attention (default: explicit softmax(QK^T)V)")
-    p.add_argument("--attn-dropout", type=float, default=None, help="dropout on attention probs (default: --dropout)")
+    p.add_argument("--attn-dropout", type=_probability, default=None,
+                   help="dropout on attention probs (default: --dropout)")
     p.add_argument("--fused-attention", choices=["exact", "all", "off"], default="exact",
                    help="attention run as remat's flash op: 'exact' where it computes the same function "
                         "(no attention dropout), 'all' also with attention dropout (remat's own masks), "
                         "'off' never (default: exact)")
 
 
+def _check_model_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """What one argument alone cannot say: the width must split into heads of even size, and the
+    budget in MiB must come to at least a byte."""
+    if a.embd % a.heads:
+        p.error(f"--embd {a.embd} is not divisible by --heads {a.heads} (each head gets embd / heads channels)")
+    if (a.embd // a.heads) % 2:
+        p.error(f"--embd {a.embd} / --heads {a.heads} = {a.embd // a.heads} channels per head; it must be even")
+    if a.budget_mib is not None and int(a.budget_mib * MiB) < 1:
+        p.error(f"argument --budget-mib: {a.budget_mib:g} MiB is less than one byte")
+    try:
+        _config(a)
+    except ValueError as e:  # anything else GPTConfig refuses
+        p.error(str(e))
+
+
 def machine() -> str:
     return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {platform.platform()}"
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@contextmanager
+def _step(msg: str) -> Iterator[None]:
+    """Print what is about to take a while, then how long it took."""
+    _say(f"{msg} ...")
+    t0 = time.perf_counter()
+    yield
+    _say(f"  done in {time.perf_counter() - t0:.1f} s")
 
 
 def demo(a: argparse.Namespace) -> int:
     cfg = _config(a)
     model = default_model(cfg)
     inputs = default_inputs(cfg)
-    print(f"remat demo: GPT {cfg.n_layer} layers, seq {cfg.block_size}, batch {cfg.batch_size}, "
-          f"width {cfg.n_embd}, dropout {cfg.dropout}, {cfg.attention} attention, fused attention: "
-          f"{a.fused_attention}  [{machine()}]")
+    _say(f"remat demo: GPT {cfg.n_layer} layers, seq {cfg.block_size}, batch {cfg.batch_size}, "
+         f"width {cfg.n_embd}, dropout {cfg.dropout}, {cfg.attention} attention, fused attention: "
+         f"{a.fused_attention}  [{machine()}]")
     fused = a.fused_attention
-    ref = reference_step(model, inputs, seed=0, fused_attention=fused)
-    rows = [run_strategy(model, inputs, "keep_all", None, reference=ref, fused_attention=fused)]
+    with _step("reference: one step of the unmodified model, and the FLOPs of a step that recomputes nothing"):
+        ref = reference_step(model, inputs, seed=0, fused_attention=fused)
+    with _step("keep_all: capturing the training step and measuring its peak"):
+        rows = [run_strategy(model, inputs, "keep_all", None, reference=ref, fused_attention=fused)]
     keep_peak = rows[0].measured_peak_bytes
     budget = int(a.budget_mib * MiB) if a.budget_mib else int(a.budget_frac * keep_peak)
-    print(f"keep_all measured peak {keep_peak / MiB:.2f} MiB; budget {budget / MiB:.2f} MiB")
+    _say(f"keep_all measured peak {keep_peak / MiB:.2f} MiB; budget {budget / MiB:.2f} MiB")
     notes = []
     for strategy in ("equal_spacing", "checkmate"):
+        what = (f"checkmate: capturing, solving the MILP (time limit {a.time_limit:g} s), measuring"
+                if strategy == "checkmate" else f"{strategy}: capturing, planning, measuring")
+        _say(f"{what} ...")
+        t0 = time.perf_counter()
         try:
-            rows.append(run_strategy(model, inputs, strategy, budget, reference=ref, time_limit_s=a.time_limit,
-                                     fused_attention=fused))
+            row = run_strategy(model, inputs, strategy, budget, reference=ref, time_limit_s=a.time_limit,
+                               fused_attention=fused)
         except InfeasibleBudgetError as e:
             notes.append(f"{strategy}: infeasible: {e}")
+            _say(f"  {notes[-1]}")
+            continue
+        rows.append(row)
+        _say(f"  {row.status}: predicted peak {row.predicted_peak_bytes / MiB:.2f} MiB, measured "
+             f"{row.measured_peak_bytes / MiB:.2f} MiB, extra compute {row.extra_cost_frac:.1%}; "
+             f"solved in {row.solve_time_s:.1f} s, done in {time.perf_counter() - t0:.1f} s")
     print(format_table(rows, keep_peak))
     for n in notes:
         print(n)
@@ -97,11 +222,18 @@ def plan_cmd(a: argparse.Namespace) -> int:
     cfg = _config(a)
     model = default_model(cfg)
     inputs = default_inputs(cfg)
-    keep = run_strategy(model, inputs, "keep_all", None, fused_attention=a.fused_attention).measured_peak_bytes
-    budget = int(a.budget_mib * MiB) if a.budget_mib else int(a.budget_frac * keep)
-    graph = capture(model, inputs, fused_attention=a.fused_attention)
+    if a.budget_mib:
+        budget = int(a.budget_mib * MiB)
+    else:
+        with _step("keep_all: capturing the training step and measuring its peak"):
+            keep = run_strategy(model, inputs, "keep_all", None, fused_attention=a.fused_attention).measured_peak_bytes
+        budget = int(a.budget_frac * keep)
+    with _step("capturing the training step"):
+        graph = capture(model, inputs, fused_attention=a.fused_attention)
     try:
-        plan = solve(graph, budget, solver=a.solver, time_limit_s=a.time_limit)
+        limit = f", time limit {a.time_limit:g} s" if a.solver == "checkmate" else ""
+        with _step(f"solving {a.solver} under {budget / MiB:.2f} MiB{limit}"):
+            plan = solve(graph, budget, solver=a.solver, time_limit_s=a.time_limit)
     except InfeasibleBudgetError as e:
         print(f"infeasible: {e}", file=sys.stderr)
         return 1
@@ -112,21 +244,30 @@ def plan_cmd(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="remat", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _parser() -> _Parser:
+    p = _Parser(prog="remat", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,plan}")
     d = sub.add_parser("demo", help="optimize the built-in GPT and compare strategies")
     _model_args(d)
-    d.add_argument("--steps", type=int, default=3, help="training steps with the optimized module")
-    d.add_argument("--json", default=None, help="also write the results here")
-    d.set_defaults(fn=demo)
+    d.add_argument("--steps", type=_count, default=3, help="training steps with the optimized module")
+    d.add_argument("--json", type=_output_file, default=None, help="also write the results here")
+    d.set_defaults(fn=demo, parser=d)
     pl = sub.add_parser("plan", help="solve for the built-in GPT and save the plan as JSON")
     _model_args(pl)
-    pl.add_argument("--solver", default="checkmate", choices=["checkmate", "equal_spacing", "keep_all"])
-    pl.add_argument("--out", default="plan.json")
-    pl.set_defaults(fn=plan_cmd)
-    a = p.parse_args(argv)
-    return a.fn(a)
+    pl.add_argument("--solver", default="checkmate", choices=STRATEGIES)
+    pl.add_argument("--out", type=_output_file, default="plan.json", help="where to save the plan (default plan.json)")
+    pl.set_defaults(fn=plan_cmd, parser=pl)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    _check_model_args(a.parser, a)
+    try:
+        return a.fn(a)
+    except (RematArgumentError, PlanFileError) as e:  # checked above already; one line all the same
+        a.parser.error(str(e))
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,6 +28,33 @@ class GPTConfig:
     attention: str = "explicit"  # "explicit": softmax(QK^T * scale)V; "sdpa": F.scaled_dot_product_attention
     batch_size: int = 8  # batch of the example inputs
 
+    def __post_init__(self):
+        """Refuse a shape the model cannot run (e.g. a width the heads do not divide) here, with
+        the field's name, rather than as a reshape error deep in the first forward."""
+        from remat.validate import RematArgumentError, RematArgumentTypeError
+
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise RematArgumentTypeError(f"GPTConfig.{name} must be an integer, got {type(v).__name__} {v!r}")
+            if v < 1:
+                raise RematArgumentError(f"GPTConfig.{name} must be at least 1, got {v}")
+        if self.n_embd % self.n_head:
+            raise RematArgumentError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if (self.n_embd // self.n_head) % 2:
+            raise RematArgumentError(f"GPTConfig: the head dimension n_embd / n_head = {self.n_embd // self.n_head} "
+                                     f"must be even")
+        for name in ("dropout", "attn_dropout"):
+            v = getattr(self, name)
+            if v is None and name == "attn_dropout":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RematArgumentTypeError(f"GPTConfig.{name} must be a number, got {type(v).__name__} {v!r}")
+            if not 0 <= v < 1:  # also refuses NaN
+                raise RematArgumentError(f"GPTConfig.{name} must be in [0, 1), got {v}")
+        if self.attention not in ("explicit", "sdpa"):
+            raise RematArgumentError(f"GPTConfig.attention must be 'explicit' or 'sdpa', got {self.attention!r}")
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):

@@ -1,0 +1,170 @@
+"""Argument checks for the public API, run before any expensive work (tracing, solving).
+
+Every check raises one clear error naming the argument, what it got and what is allowed:
+`RematArgumentError` (a ValueError) for a bad value, `RematArgumentTypeError` (a
+RematArgumentError and a TypeError) for a value of the wrong type. `optimize`, `capture` and
+`solve` call `check_optimize_args`, `check_capture_args` and `check_solve_args` on their first
+line, so a NaN budget or a misspelt solver fails in microseconds, not after a minute of tracing.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from typing import Any
+
+__all__ = ["RematArgumentError", "RematArgumentTypeError", "budget_in_bytes", "check_optimize_args",
+           "check_capture_args", "check_solve_args"]
+
+GB = 1e9  # budget_gb is in units of 10^9 bytes
+
+
+class RematArgumentError(ValueError):
+    """An argument of remat's API has a value remat cannot use; the message names it."""
+
+
+class RematArgumentTypeError(RematArgumentError, TypeError):
+    """An argument of remat's API has the wrong type; the message names it."""
+
+
+def _kind(x: Any) -> str:
+    return type(x).__name__
+
+
+def _real(name: str, x: Any) -> float:
+    """A finite real number (bools and strings are refused: `True` is no budget)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise RematArgumentTypeError(f"{name} must be a number, got {_kind(x)} {x!r}")
+    if not math.isfinite(float(x)):
+        raise RematArgumentError(f"{name} must be a finite positive number, got {x!r}")
+    return float(x)
+
+
+def budget_in_bytes(budget_gb: Any = None, budget_bytes: Any = None) -> int | None:
+    """The budget in bytes from `budget_gb` (units of 10^9 bytes) or `budget_bytes` (an integer,
+    or a float with an integral value), or None when neither is given."""
+    if budget_gb is not None and budget_bytes is not None:
+        raise RematArgumentError(f"give budget_gb or budget_bytes, not both (got budget_gb={budget_gb!r}, "
+                                 f"budget_bytes={budget_bytes!r})")
+    if budget_gb is not None:
+        gb = _real("budget_gb", budget_gb)
+        if gb <= 0:
+            raise RematArgumentError(f"budget_gb must be positive, got {budget_gb!r}")
+        if not math.isfinite(gb * GB):
+            raise RematArgumentError(f"budget_gb={budget_gb!r} is too large to count in bytes")
+        b = int(gb * GB)
+        if b <= 0:
+            raise RematArgumentError(f"budget_gb={budget_gb!r} is less than one byte; the budget must be positive")
+        return b
+    if budget_bytes is not None:
+        if isinstance(budget_bytes, numbers.Integral) and not isinstance(budget_bytes, bool):
+            b = int(budget_bytes)
+        else:
+            x = _real("budget_bytes", budget_bytes)
+            if not x.is_integer():
+                raise RematArgumentError(f"budget_bytes must be a whole number of bytes, got {budget_bytes!r}")
+            b = int(x)
+        if b <= 0:
+            raise RematArgumentError(f"budget_bytes must be positive, got {budget_bytes!r}")
+        return b
+    return None
+
+
+def _time_limit(time_limit_s: Any) -> None:
+    if time_limit_s is None:  # (engineer B) no wall-clock limit: the solver's deterministic work limits
+        return
+    if _real("time_limit_s", time_limit_s) <= 0:
+        raise RematArgumentError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+
+
+def _solver(solver: Any, solver_kwargs: dict) -> None:
+    from remat.solver import STRATEGIES, get_solver
+
+    if not isinstance(solver, str):
+        raise RematArgumentTypeError(f"solver must be a string, one of {', '.join(STRATEGIES)}; got {_kind(solver)} "
+                                     f"{solver!r}")
+    if solver not in STRATEGIES:
+        raise RematArgumentError(f"unknown solver {solver!r}; choose one of {', '.join(STRATEGIES)}")
+    if not solver_kwargs:
+        return
+    # the strategies take `**_` so that one call fits all: a misspelt option would be dropped silently
+    try:
+        params = inspect.signature(get_solver(solver)).parameters
+    except Exception:  # the solver cannot even be loaded: solving will say why, with its own error
+        return
+    named = {n for n, p in list(params.items())[2:]  # after (graph, budget_bytes)
+             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    unknown = sorted(set(solver_kwargs) - named - {"time_limit_s"})
+    if unknown:
+        allowed = ", ".join(sorted(named)) or "none"
+        raise RematArgumentError(f"solver {solver!r} takes no option {', '.join(unknown)} (its options: {allowed})")
+
+
+def _fused_attention(fused_attention: Any) -> None:
+    from remat.runtime.attention import fused_attention_mode
+
+    try:
+        fused_attention_mode(fused_attention)
+    except (TypeError, ValueError):
+        raise RematArgumentError(f"fused_attention must be True, False, 'exact', 'all' or 'off', "
+                                 f"got {fused_attention!r}") from None
+
+
+def _model(model: Any) -> None:
+    import torch.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise RematArgumentTypeError(f"model must be a torch.nn.Module, got {_kind(model)}")
+
+
+def _example_inputs(example_inputs: Any, example_kwargs: Any) -> None:
+    import torch
+
+    if example_inputs is None:
+        raise RematArgumentError("example_inputs is required: remat traces one training step to plan it")
+    if not isinstance(example_inputs, (torch.Tensor, list, tuple)):
+        raise RematArgumentTypeError(f"example_inputs must be a tensor or a tuple of arguments, got "
+                                     f"{_kind(example_inputs)}")
+    if example_kwargs is not None:
+        if not isinstance(example_kwargs, dict):
+            raise RematArgumentTypeError(f"example_kwargs must be a dict of keyword arguments or None, got "
+                                         f"{_kind(example_kwargs)}")
+        bad = [k for k in example_kwargs if not isinstance(k, str)]
+        if bad:
+            raise RematArgumentTypeError(f"example_kwargs' keys must be argument names (str), got {bad[0]!r}")
+
+
+def check_capture_args(model: Any, example_inputs: Any, example_kwargs: Any = None,
+                       fused_attention: Any = True) -> None:
+    """The arguments of `remat.capture`."""
+    _model(model)
+    _example_inputs(example_inputs, example_kwargs)
+    _fused_attention(fused_attention)
+
+
+def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", time_limit_s: Any = 60.0,
+                     solver_kwargs: dict | None = None) -> None:
+    """The arguments of `remat.solve` (a budget of None asks for no budget)."""
+    from remat.graph_capture.training_graph import TrainingGraph
+
+    if not isinstance(graph, TrainingGraph):
+        raise RematArgumentTypeError(f"graph must be a TrainingGraph (from remat.capture), got {_kind(graph)}")
+    budget_in_bytes(budget_bytes=budget_bytes)
+    _solver(solver, solver_kwargs or {})
+    _time_limit(time_limit_s)
+
+
+def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_inputs: Any, example_kwargs: Any,
+                        solver: Any, time_limit_s: Any, plan: Any, fused_attention: Any,
+                        solver_kwargs: dict | None = None) -> None:
+    """The arguments of `remat.optimize`."""
+    from remat.solver.plan import Plan
+
+    check_capture_args(model, example_inputs, example_kwargs, fused_attention)
+    budget = budget_in_bytes(budget_gb, budget_bytes)
+    if plan is not None and not isinstance(plan, Plan):
+        raise RematArgumentTypeError(f"plan must be a remat.Plan (e.g. remat.Plan.load(path)), got {_kind(plan)}")
+    if budget is None and plan is None:
+        raise RematArgumentError("give budget_gb or budget_bytes (or a saved plan=)")
+    _solver(solver, solver_kwargs or {})
+    _time_limit(time_limit_s)
