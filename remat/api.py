@@ -1,6 +1,8 @@
 """The public entry points: capture, plan, optimize."""
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -8,16 +10,16 @@ import torch.nn as nn
 from torch._functorch.partitioners import default_partition
 
 from remat.graph_capture.build import JointGraphInfo, build_training_graph, split_dropout_outputs
-from remat.graph_capture.joint import TraceError, trace_training_step
+from remat.graph_capture.clones import drop_redundant_clones
+from remat.graph_capture.joint import PartitionFailed, TraceError, trace_training_step
 from remat.graph_capture.training_graph import TrainingGraph
-from remat.runtime.module import RematModule
+from remat.runtime.module import OutsideBudgetWarning, RematModule
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
 from remat.solver.plan import InfeasibleBudgetError, Plan
+from remat.validate import budget_in_bytes, check_capture_args, check_optimize_args, check_solve_args
 
 __all__ = ["capture", "solve", "optimize", "TraceError", "InfeasibleBudgetError"]
-
-GB = 1e9
 
 
 def _as_tuple(example_inputs: Any) -> tuple:
@@ -32,54 +34,82 @@ def _as_tuple(example_inputs: Any) -> tuple:
 
 def _joint_info(joint_gm, num_fwd_outputs: int, name: str) -> JointGraphInfo:
     split_dropout_outputs(joint_gm)
+    drop_redundant_clones(joint_gm)  # copies the trace makes where eager aliases (dropout p=0)
     return build_training_graph(joint_gm, num_fwd_outputs, name=name)
+
+
+class Planner:
+    """AOTAutograd's partition function for one trace: it builds the TrainingGraph from the joint
+    graph (`info`, `graph`) and, given `decide` (TrainingGraph -> Plan), splits the joint graph
+    into forward and backward by that plan (`plan`); without `decide` it splits it as AOTAutograd
+    would. Errors while planning (a budget no plan fits, a saved plan for another graph, ...) are
+    remat's own: they leave the trace as they are (PartitionFailed), not as a TraceError."""
+
+    def __init__(self, name: str, decide: Callable[[TrainingGraph], Plan] | None = None):
+        self.name = name
+        self.decide = decide
+        self.info: JointGraphInfo | None = None
+        self.plan: Plan | None = None
+
+    @property
+    def graph(self) -> TrainingGraph:
+        assert self.info is not None, "the partition function was not called"
+        return self.info.graph
+
+    def __call__(self, joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
+        try:
+            self.info = _joint_info(joint_gm, num_fwd_outputs, self.name)
+            if self.decide is not None:
+                self.plan = self.decide(self.info.graph)
+                return partition_with_plan(self.info, self.plan)
+        except Exception as e:
+            raise PartitionFailed(e) from e
+        return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
 
 
 def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
             fused_attention: bool | str = True) -> TrainingGraph:
     """Trace one training step of `model` (forward and backward, ATen level) into a TrainingGraph.
     `fused_attention`: trace attention as remat's flash op where it can (see `optimize`)."""
-    holder: dict[str, JointGraphInfo] = {}
-
-    def record(joint_gm, joint_inputs, *, num_fwd_outputs, **kw):
-        holder["info"] = _joint_info(joint_gm, num_fwd_outputs, type(model).__name__)
-        return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
-
-    trace_training_step(model, _as_tuple(example_inputs), example_kwargs, record, fused_attention)
-    return holder["info"].graph
+    check_capture_args(model, example_inputs, example_kwargs, fused_attention)  # before any tracing
+    planner = Planner(type(model).__name__)
+    trace_training_step(model, _as_tuple(example_inputs), example_kwargs, planner, fused_attention)
+    return planner.graph
 
 
 def _budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
-    if budget_gb is not None and budget_bytes is not None:
-        raise ValueError("give budget_gb or budget_bytes, not both")
-    b = budget_bytes if budget_bytes is not None else (None if budget_gb is None else int(budget_gb * GB))
-    if b is not None and b <= 0:
-        raise ValueError(f"the memory budget must be positive, got {b} bytes")
-    return b
+    """The budget in bytes (None: none given), after checking it (remat/validate.py)."""
+    return budget_in_bytes(budget_gb, budget_bytes)
 
 
 def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkmate",
-          time_limit_s: float = 60.0, **solver_kwargs) -> Plan:
+          time_limit_s: float | None = None, **solver_kwargs) -> Plan:
     """Plan `graph` under `budget_bytes` with one strategy; raise InfeasibleBudgetError when no
-    plan fits, naming the smallest budget found feasible."""
+    plan fits, naming the smallest budget found feasible (a budget this call then accepts, with the
+    same options). time_limit_s: an optional wall-clock limit on checkmate's MILP (None: only its
+    deterministic work limits, so the plan does not depend on the machine's load)."""
+    check_solve_args(graph, budget_bytes, solver, time_limit_s, solver_kwargs)  # before any solving
     fn = get_solver(solver)
     kwargs = dict(solver_kwargs)
     if solver == "checkmate":
         kwargs["time_limit_s"] = time_limit_s
     plan = fn(graph, budget_bytes, **kwargs)
     if budget_bytes is not None and (plan.status == "infeasible" or not plan.fits):
-        smallest = _smallest_feasible(graph, solver, time_limit_s)
+        smallest = _smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
         raise InfeasibleBudgetError(
             f"no {solver} plan fits {budget_bytes / 2**20:.2f} MiB; the smallest budget found feasible "
             f"is {smallest / 2**20:.2f} MiB ({smallest} bytes)", min_feasible_bytes=smallest)
     return plan
 
 
-def _smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float) -> int:
+def _smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | None = None,
+                       **solver_kwargs) -> int:
+    """The smallest budget `solve` accepts with these options: for checkmate the peak of its
+    lowest-peak plan, which `solve` falls back to (cached per graph), so the two never disagree."""
     if solver == "checkmate":
         from remat.solver.checkmate import min_feasible_budget
 
-        return min_feasible_budget(graph, time_limit_s=time_limit_s)
+        return min_feasible_budget(graph, time_limit_s=time_limit_s, **solver_kwargs)
     # baselines: the lowest peak they can reach, with no budget they must meet
     return get_solver(solver)(graph, 1).predicted_peak_bytes
 
@@ -87,7 +117,6 @@ def _smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float) -
 def _rejudge(plan: Plan, graph: TrainingGraph) -> Plan:
     """A saved plan re-simulated on the graph traced here (workspaces are measured per machine)."""
     import dataclasses
-    import warnings
 
     from remat.runtime.partition import PlanMismatchError
     from remat.solver.simulator import simulate
@@ -107,7 +136,7 @@ def _rejudge(plan: Plan, graph: TrainingGraph) -> Plan:
 
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
-             solver: str = "checkmate", time_limit_s: float = 60.0, plan: Plan | None = None,
+             solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | None = None,
              fused_attention: bool | str = True, **solver_kwargs) -> RematModule:
     """Return a drop-in module whose training step peaks under the budget.
 
@@ -122,26 +151,33 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     model computes; "all" also fuses attention with dropout on its probabilities, drawing the
     masks from remat's own counter-based generator (same distribution, other masks than torch's);
     False fuses nothing.
-    The model itself is not modified."""
+    The model itself is not modified. The module returns what the model returns (any pytree,
+    dataclasses included, rebuilt on every call); an output that is neither a tensor nor a
+    constant (e.g. a Hugging Face cache: pass use_cache=False) raises OutputError here, and an
+    output other than a single loss draws an OutsideBudgetWarning (what the caller does with it is
+    not budgeted). Each call uses the model's current parameters (ParameterMismatchError if they
+    no longer fit the traced graph); with grad enabled, a call in another train/eval mode than
+    the model's at optimize() time raises ModeMismatchError."""
+    check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
+                        plan, fused_attention, solver_kwargs)  # before any tracing or solving
     budget = _budget(budget_gb, budget_bytes)
     if budget is None and plan is None:
         raise ValueError("give budget_gb or budget_bytes (or a saved plan=)")
     args = _as_tuple(example_inputs)
-    holder: dict[str, Any] = {}
 
-    def planned_partition(joint_gm, joint_inputs, *, num_fwd_outputs, **kw):
-        try:
-            info = _joint_info(joint_gm, num_fwd_outputs, type(model).__name__)
-            if plan is not None:  # a saved plan: judge it again on this machine's graph
-                chosen = _rejudge(plan, info.graph)
-            else:
-                chosen = solve(info.graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
-            fw, bw = partition_with_plan(info, chosen)
-        except Exception as e:  # planning errors are ours, not tracing failures: pass them through
-            e._remat_passthrough = True
-            raise
-        holder["plan"], holder["graph"] = chosen, info.graph
-        return fw, bw
+    def decide(graph: TrainingGraph) -> Plan:
+        if plan is not None:  # a saved plan: judge it again on this machine's graph
+            return _rejudge(plan, graph)
+        return solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
 
-    compiled, sig = trace_training_step(model, args, example_kwargs, planned_partition, fused_attention)
-    return RematModule(model, compiled, sig, holder["plan"], holder["graph"])
+    planner = Planner(type(model).__name__, decide)
+    compiled, sig = trace_training_step(model, args, example_kwargs, planner, fused_attention)
+    assert planner.plan is not None
+    if not sig.outputs.single_scalar:
+        warnings.warn(OutsideBudgetWarning(
+            f"{type(model).__name__} returns {sig.outputs.describe()}, not a single loss: the budget covers "
+            f"this module's training step, and memory used outside it (e.g. a loss computed on its logits, "
+            f"and its backward) is not part of it; outputs the backward gets no gradient for are given "
+            f"zero gradients of their size. Return only the loss from the model to have all of it planned."),
+            stacklevel=2)
+    return RematModule(model, compiled, sig, planner.plan, planner.graph)

@@ -19,29 +19,50 @@ budget rounded down, so a feasible MILP point never exceeds the budget in bytes.
 After solving, the schedule is stage by stage, the R=1 nodes of a stage in topological order;
 recomputations nobody reads are dropped, then it is expanded to the fine graph, and the Plan is
 judged by the simulator on the FINE graph (its predicted peak is that simulator's number).
+
+Solving (solver/backends.py): HiGHS by default, CBC as the fallback, each try recorded in
+plan.details["attempts"]. The default limit is a node count, not wall clock, so the plan does not
+depend on the machine's load. `solve` never raises for a solver failure and never calls a budget
+infeasible that min_feasible_budget (same options) reported feasible: when the MILP has no fitting
+plan it answers with equal_spacing's plan or the cached lowest-peak plan, refined on the fine graph.
 """
 from __future__ import annotations
 
+import copy
 import math
-import os
-import re
-import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import asdict, dataclass, field, replace
 
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver import equal_spacing
+from remat.solver.backends import BackendError, Limits, Outcome, attempts, default_backend
+from remat.solver.backends import available as backend_available
+from remat.solver.backends import run as run_backend
 from remat.solver.coarsen import coarsen, expand_schedule
 from remat.solver.plan import Plan, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
 from remat.solver.simulator import simulate
 
-__all__ = ["solve", "min_feasible_budget", "DEFAULT_COARSEN_TO"]
+__all__ = ["solve", "min_feasible_budget", "node_limit", "SolverFallbackWarning", "DEFAULT_COARSEN_TO",
+           "NODE_WORK", "MIN_NODES"]
 
-DEFAULT_COARSEN_TO = 90
-POLISH_RESERVE_S = 3.0  # seconds of the time limit kept for _polish  # coarse nodes: ~100 solves in well under a minute with CBC on 2 cores
+DEFAULT_COARSEN_TO = 90  # coarse nodes: the MILP's size grows with the square of it
+# The default solve's work limit (no wall clock): branch-and-bound nodes after the root,
+# NODE_WORK / binaries^2 (a node's LP grows with the model, and so does the tree), at least
+# MIN_NODES. Measured on the 4-layer default GPT (256 nodes coarsened to 90, 4851 binaries; HiGHS,
+# 2 cores): the root alone takes 48 s of CPU at 50% of keep_all, 3 to 30 nodes take 128 s, for
+# the same final plan (and the same min-peak, 51.79 MiB), so it gets the root only; a 9-node
+# chain (162 binaries) gets 1143 nodes, enough to prove optimality with CBC too.
+NODE_WORK = 30_000_000
+MIN_NODES = 1
+POLISH_RESERVE_S = 3.0  # of a wall-clock time_limit_s, seconds kept for the fine refinement
+
+
+class SolverFallbackWarning(UserWarning):
+    """A MILP backend failed; the plan came from another backend or a heuristic (plan.details)."""
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -373,60 +394,34 @@ def _assign(model: _Model, stages: list[list[int]]) -> bool:
 
 # ---- solving -------------------------------------------------------------------------------------
 
-def _solver(backend: str, time_limit_s: float, mip_gap: float | None, threads: int | None,
-            warm: bool, log_path: str | None, msg: bool):
-    import pulp
-
-    if backend == "cbc":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, gapRel=mip_gap, threads=threads,
-                                     warmStart=warm, logPath=None if msg else log_path)
-    if backend == "highs":
+def _solve_milp(model: _Model, backend: str, limits: Limits, warm: bool, msg: bool,
+                log: list) -> Outcome:
+    """Run the MILP on `backend`, falling back to the other backends (backends.attempts) when one
+    fails: an error or crash (BackendError), or no solution for no known reason. A search its work
+    limit stopped before any incumbent ("none", stopped_by set) is an answer, not a failure: the
+    weaker backends would not do better within the same limit, so the caller's fallbacks follow.
+    Each try is appended to `log`. Returns the first outcome that is not a failure, else "none"."""
+    if limits.max_nodes is None:
+        limits = replace(limits, max_nodes=node_limit(model.counts["binaries"]))
+    deadline = None if limits.time_limit_s is None else time.perf_counter() + limits.time_limit_s
+    last = Outcome("none")
+    for name, w in attempts(backend, warm):
+        lim = limits
+        if deadline is not None:  # the wall-clock safety net covers all tries together
+            lim = replace(limits, time_limit_s=max(1.0, deadline - time.perf_counter()))
+        t = time.perf_counter()
         try:
-            import highspy  # noqa: F401
-        except ImportError as e:
-            raise ImportError("backend='highs' needs the `highspy` package "
-                              "(pip install highspy, or remat[highs])") from e
-        return pulp.HiGHS(msg=msg, timeLimit=time_limit_s, gapRel=mip_gap, threads=threads)
-    raise ValueError(f"unknown backend {backend!r}; use 'cbc' or 'highs'")
-
-
-def _run(model: _Model, backend: str, time_limit_s: float, mip_gap: float | None,
-         threads: int | None, warm: bool, msg: bool) -> tuple[str, float | None, float | None]:
-    """Solve; return (status, gap, best bound) with status optimal / feasible / infeasible."""
-    import pulp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        log_path = os.path.join(tmp, "cbc.log")
-        solver = _solver(backend, time_limit_s, mip_gap, threads, warm, log_path, msg)
-        model.prob.solve(solver)
-        log = open(log_path).read() if os.path.exists(log_path) else ""
-    has = model.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    if model.prob.status == pulp.LpStatusInfeasible or not has:
-        return "infeasible", None, None
-    bound = gap = None
-    if backend == "cbc":
-        m = re.search(r"Lower bound:\s+(-?[\d.e+-]+)", log)
-        if m:
-            bound = float(m.group(1))
-        m = re.search(r"Gap:\s+(-?[\d.e+-]+)", log)
-        if m:
-            gap = float(m.group(1))
-        proven = "Result - Optimal solution found" in log or not log
-    else:
-        info = model.prob.solverModel.getInfo()
-        if info.primal_solution_status == 0:  # pulp maps a time limit to "feasible" regardless
-            return "infeasible", None, None
-        bound = info.mip_dual_bound
-        gap = info.mip_gap
-        proven = model.prob.solverModel.getModelStatus() == __import__("highspy").HighsModelStatus.kOptimal
-    if model.prob.sol_status == pulp.LpSolutionOptimal and proven:
-        return "optimal", (gap if gap is not None else 0.0), bound
-    obj = pulp.value(model.prob.objective) or 0.0
-    if gap is None and bound is not None:
-        gap = (obj - bound) / max(abs(obj), 1e-12)
-    return "feasible", gap, bound
+            out = run_backend(model.prob, name, lim, warm=w, msg=msg)
+        except BackendError as e:
+            log.append({"backend": name, "warm_start": w, "error": str(e),
+                        "s": round(time.perf_counter() - t, 3)})
+            continue
+        log.append({"backend": name, "warm_start": w, "status": out.status, "max_nodes": lim.max_nodes,
+                    "stopped_by": out.stopped_by, "s": round(time.perf_counter() - t, 3)})
+        if out.status != "none" or out.stopped_by is not None:
+            return out
+        last = out
+    return last
 
 
 def _milp_peak(model: _Model) -> int:
@@ -510,35 +505,70 @@ def _refine(coarser: TrainingGraph, g: TrainingGraph, schedule: list[str]) -> li
     return [x for name in schedule for x in parts[name]]
 
 
-def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0,
-          backend: str = "cbc", coarsen_to: int | None = DEFAULT_COARSEN_TO,
-          warm_start: bool = True, mip_gap: float | None = 1e-4, threads: int | None = None,
-          msg: bool = False, presolve: bool = True, **_: object) -> Plan:
+def _limits(time_limit_s, max_nodes, mip_gap, threads) -> Limits:
+    return Limits(max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads)
+
+
+def node_limit(binaries: int) -> int:
+    """The default node limit of a MILP with `binaries` binary variables (a pure function of the
+    model, so the same model always gets the same limit)."""
+    return max(MIN_NODES, NODE_WORK // max(1, binaries) ** 2)
+
+
+def _until(limits: Limits, deadline: float | None) -> Limits:
+    """`limits` with the wall-clock limit cut to what is left before `deadline` (None: no wall
+    clock), keeping POLISH_RESERVE_S for the work after the MILP."""
+    if deadline is None:
+        return limits
+    return replace(limits, time_limit_s=max(1.0, deadline - time.perf_counter() - POLISH_RESERVE_S))
+
+
+def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
+          max_nodes: int | None = None, time_limit_s: float | None = None,
+          coarsen_to: int | None = DEFAULT_COARSEN_TO, warm_start: bool = True,
+          mip_gap: float | None = 1e-4, threads: int | None = 1, msg: bool = False,
+          presolve: bool = True, **_: object) -> Plan:
     """Checkmate's MILP under `budget_bytes` (the step's peak, resident memory included).
 
-    coarsen_to: coarse node count the MILP works on (None: the fine graph itself). Status
-    "optimal" (proven, within `mip_gap` of the extra cost), "feasible" (time limit hit with an
-    incumbent; plan.gap is the relative gap), or "infeasible" (proven, or no incumbent: the plan
-    then holds the lowest-peak baseline schedule, for information). presolve: with CBC on 60+
-    coarse nodes, first spend a quarter of the time on a coarser MILP to warm-start this one."""
+    backend: "auto" (default: HiGHS when highspy is installed, else CBC), "highs" or "cbc"; a
+    backend that fails falls back to the next one, and then to the best heuristic plan, with a
+    SolverFallbackWarning (plan.details["attempts"] and ["fallback"] say what happened).
+    max_nodes: the deterministic work limit (branch-and-bound nodes after the root; None:
+    node_limit(binaries), scaled to the model; the MILP runs single-threaded with threads=1): with
+    it alone the same graph and budget give the same plan on an idle or a busy machine.
+    time_limit_s: an optional wall-clock safety net (None: none); with it the plan depends on the
+    machine's load. coarsen_to: coarse node count the MILP works on (None: the fine graph).
+
+    Status "optimal" (proven, within `mip_gap` of the extra cost), "feasible" (a limit stopped the
+    search with an incumbent, plan.gap is the relative gap; or a fallback plan that fits), or
+    "infeasible" (no plan fits: the plan holds the lowest-peak baseline schedule, for
+    information). Never "infeasible" for a budget at or above min_feasible_budget's answer with
+    the same options: that plan is the last fallback. presolve: with CBC on 60+ coarse nodes,
+    first solve a coarser MILP (a quarter of the limits) to warm-start this one."""
     t0 = time.perf_counter()
-    threads = threads or min(os.cpu_count() or 1, 8)
+    requested = backend
+    backend = default_backend() if backend == "auto" else backend
+    attempts(backend, False)  # an unknown backend is a caller's error: raise before any work
+    if backend == "highs" and not backend_available("highs"):
+        raise ImportError("backend='highs' needs the `highspy` package (pip install highspy)")
+    limits = _limits(time_limit_s, max_nodes, mip_gap, threads)
     g = _prepare(graph, coarsen_to)
     unit = _unit(budget_bytes, g)
     model = _build(g, budget_bytes, unit)
-    build_s = time.perf_counter() - t0
     details = {"coarse_nodes": len(g.nodes), "fine_nodes": len(graph.nodes), "backend": backend,
+               "backend_requested": requested, "limits": asdict(limits),
                "unit_bytes": unit, "variables": {k: v for k, v in model.counts.items()
                                                  if k != "constraints"},
-               "constraints": model.counts["constraints"], "build_s": round(build_s, 3)}
+               "constraints": model.counts["constraints"], "build_s": round(time.perf_counter() - t0, 3)}
     # baselines on the coarse graph, in the MILP's own model: the cheapest fitting one warm-starts.
     # With CBC on a large coarse graph, a quick MILP on a coarser graph is one more candidate
     # (CBC's own incumbents are weak there; HiGHS does not need it)
     cands = _baselines(graph, g, budget_bytes)
-    if (presolve and backend == "cbc" and warm_start and g is not graph and len(g.nodes) >= 60):
-        sub = solve(graph, budget_bytes, time_limit_s=time_limit_s * 0.25, backend=backend,
-                    coarsen_to=int(len(g.nodes) * 0.65), warm_start=True, mip_gap=mip_gap,
-                    threads=threads, presolve=False)
+    if presolve and backend == "cbc" and warm_start and g is not graph and len(g.nodes) >= 60:
+        sub = solve(graph, budget_bytes, backend=backend, coarsen_to=int(len(g.nodes) * 0.65),
+                    max_nodes=max(1, (max_nodes or node_limit(model.counts["binaries"])) // 4),
+                    time_limit_s=time_limit_s and time_limit_s * 0.25, warm_start=True,
+                    mip_gap=mip_gap, threads=threads, presolve=False)
         details["presolve"] = {"coarse_nodes": sub.details["coarse_nodes"], "status": sub.status,
                                "extra_cost": sub.extra_cost, "s": round(sub.solve_time_s, 3)}
         if sub.status != "infeasible" and getattr(sub, "_coarse_schedule", None) is not None:
@@ -558,9 +588,7 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0
             lowest = (name, sim, stages)
         if sim.peak_bytes <= budget_bytes and (best_base is None or sim.extra_cost < best_base[1].extra_cost):
             best_base = (name, sim, stages)
-    warm = False
-    if warm_start and best_base is not None and backend == "cbc":
-        warm = _assign(model, best_base[2])
+    warm = bool(warm_start and best_base is not None and _assign(model, best_base[2]))
     if best_base is not None:
         details["baseline"] = {"name": best_base[0], "extra_cost": best_base[1].extra_cost,
                                "coarse_peak_bytes": best_base[1].peak_bytes, "warm_start": warm}
@@ -568,64 +596,99 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, time_limit_s: float = 60.0
     details["equal_spacing"] = {"fits": es.fits, "extra_cost": es.extra_cost,
                                 "peak_bytes": es.predicted_peak_bytes, "k": es.details.get("k")}
     t1 = time.perf_counter()
-    # leave a few seconds of the time limit for the fine-level refinement and bookkeeping
-    left = max(1.0, time_limit_s - (t1 - t0) - POLISH_RESERVE_S)
-    status, gap, bound = _run(model, backend, left, mip_gap, threads, warm, msg)
+    details["attempts"] = []
+    deadline = None if time_limit_s is None else t0 + time_limit_s
+    out = _solve_milp(model, backend, _until(limits, deadline), warm, msg, details["attempts"])
     details["milp_s"] = round(time.perf_counter() - t1, 3)
-    if status == "infeasible":
-        details["reason"] = ("proven infeasible" if model.prob.status == -1
-                             else "no incumbent within the time limit")
-        if g is not graph and details["reason"] == "proven infeasible":
-            # the coarse model is conservative: its lowest peak may still fit in the fine graph
-            left = max(1.0, time_limit_s - (time.perf_counter() - t0))
-            mp = _min_peak(graph, g, backend, left, threads)
-            if mp is not None and mp.predicted_peak_bytes <= budget_bytes:
-                details["warning"] = ("the coarse MILP is infeasible under this budget; returning "
-                                      "its lowest-peak plan, which fits in the fine graph")
-                details["schedule_source"] = "min_peak_milp"
-                details.update({k: mp.details[k] for k in ("coarse_peak_bytes", "milp_peak_bytes")})
-                mp.status, mp.budget_bytes, mp.gap = "feasible", budget_bytes, None
-                mp.details = {**details, "coarse_extra_cost": mp.details["coarse_extra_cost"]}
-                mp.solve_time_s = time.perf_counter() - t0
-                return mp
-        if es.fits:  # never answer "infeasible" when a plan we know of fits
-            details["warning"] = (f"the MILP returned no plan; equal_spacing (k={es.details.get('k')}) "
-                                  f"fits this budget and is refined instead")
-            details["schedule_source"] = "equal_spacing"
-            es_plan = plan_from_schedule(graph, es.schedule, strategy="checkmate", budget_bytes=budget_bytes,
-                                         status="feasible", details=details)
-            return _polish(graph, es_plan, es, budget_bytes, t0)
-        name, _, stages = lowest
-        details["schedule_source"] = name
-        return _finish(graph, g, stages, strategy="checkmate", budget=budget_bytes,
-                       status="infeasible", t0=t0, gap=None, details=details)
-    import pulp
+    if details["attempts"] and details["attempts"][-1]["backend"] != backend:
+        details["backend"] = details["attempts"][-1]["backend"]  # the one that answered
+    failed = [a for a in details["attempts"] if "error" in a]
+    if out.status in ("optimal", "feasible"):
+        import pulp
 
-    stages = _solution_stages(model)
-    details["objective"] = pulp.value(model.prob.objective)
-    details["best_bound"] = bound
-    details["milp_peak_bytes"] = _milp_peak(model)
-    details["schedule_source"] = "milp"
-    plan = _finish(graph, g, stages, strategy="checkmate", budget=budget_bytes, status=status, t0=t0,
-                   gap=gap, details=details)
-    if es.fits and es.extra_cost < plan.extra_cost - 1e-9:
-        plan.details["warning"] = (f"equal_spacing (k={es.details.get('k')}, extra cost "
-                                   f"{es.extra_cost:g}) beats this plan ({plan.extra_cost:g}): "
-                                   "the time limit or the coarsening cost the MILP")
-    if not plan.fits:  # rounding in the solver; never expected, never hidden
-        plan.details["warning"] = "MILP solution overshoots the budget in the simulator"
-        plan.status = "infeasible"
-        return plan
-    return _polish(graph, plan, es, budget_bytes, t0)
+        details["objective"] = pulp.value(model.prob.objective)
+        details["best_bound"] = out.bound
+        details["stopped_by"] = out.stopped_by
+        details["milp_peak_bytes"] = _milp_peak(model)
+        details["schedule_source"] = "milp"
+        if failed:
+            _warn(f"MILP backend failure ({failed[0]['error']}); answered by {details['backend']}")
+        plan = _finish(graph, g, _solution_stages(model), strategy="checkmate", budget=budget_bytes,
+                       status=out.status, t0=t0, gap=out.gap, details=details)
+        if plan.fits:
+            plan = _polish(graph, plan, [es], budget_bytes, t0)
+            if es.fits and es.extra_cost < plan.details["milp_plan"]["extra_cost"] - 1e-9:
+                plan.details["warning"] = (f"equal_spacing (k={es.details.get('k')}, extra cost "
+                                           f"{es.extra_cost:g}) beats the MILP's own plan: the limits "
+                                           "or the coarsening cost the MILP")
+            return plan
+        # rounding in the model; never expected, never hidden: the fallbacks below answer
+        details["milp_overshoot_bytes"] = plan.predicted_peak_bytes - budget_bytes
+        reason = "the MILP's plan overshoots the budget in the fine simulator"
+    elif out.status == "infeasible":
+        reason = "proven infeasible"
+    elif out.stopped_by is not None:  # deterministic: no backend failed
+        reason = f"no incumbent within the MILP's {out.stopped_by}"
+    else:
+        reason = ("every backend failed: " + "; ".join(f"{a['backend']}: {a.get('error') or a['status']}"
+                                                       for a in details["attempts"]))
+    details["reason"] = reason
+    return _fallback(graph, g, budget_bytes, es, lowest, details, t0,
+                     failed=bool(failed) or (out.status == "none" and out.stopped_by is None),
+                     backend=requested, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
 
 
-def _polish(graph: TrainingGraph, plan: Plan, es: Plan, budget_bytes: int, t0: float) -> Plan:
+def _warn(text: str) -> None:
+    warnings.warn(text, SolverFallbackWarning, stacklevel=3)
+
+
+def _fallback(graph, g, budget_bytes, es, lowest, details, t0, *, failed, backend, coarsen_to,
+              limits, deadline) -> Plan:
+    """No MILP plan fits: answer with the cheapest (after fine refinement) of equal_spacing's plan
+    and the lowest-peak plan min_feasible_budget reports (cached per graph and options), when they
+    fit; else an "infeasible" plan holding the lowest-peak schedule. `failed`: the MILP backends
+    failed (not a proven infeasibility), so a SolverFallbackWarning says so."""
+    fits = [es] if es.fits else []
+    if not fits or details["reason"] == "proven infeasible" and g is not graph:
+        # the coarse model is conservative: the lowest-peak plan may fit the fine graph; and a
+        # budget at or above min_feasible_budget's answer must be answered with a plan
+        low = _lowest_peak(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
+        details["lowest_peak"] = {"peak_bytes": low.predicted_peak_bytes,
+                                  "source": low.details.get("schedule_source")}
+        if low.predicted_peak_bytes <= budget_bytes:
+            fits.append(low)
+    if fits:
+        src = min(fits, key=lambda p: p.extra_cost)
+        details["fallback"] = {"reason": details["reason"],
+                               "candidates": [("equal_spacing" if p is es else "lowest_peak") for p in fits]}
+        details["schedule_source"] = "fallback"
+        details["coarse_peak_bytes"] = None
+        if failed:
+            _warn(f"checkmate: {details['reason']}; answering with the best heuristic plan that fits "
+                  f"(equal_spacing / lowest-peak plan, refined on the fine graph)")
+        start = plan_from_schedule(graph, src.schedule, strategy="checkmate", budget_bytes=budget_bytes,
+                                   status="feasible", details=details)
+        return _polish(graph, start, [p for p in fits if p is not src], budget_bytes, t0,
+                       first="equal_spacing" if src is es else "lowest_peak")
+    if failed:
+        _warn(f"checkmate: {details['reason']}; no known plan fits {budget_bytes} bytes")
+    name, _, stages = lowest
+    details["schedule_source"] = name
+    return _finish(graph, g, stages, strategy="checkmate", budget=budget_bytes, status="infeasible",
+                   t0=t0, gap=None, details=details)
+
+
+def _polish(graph: TrainingGraph, plan: Plan, others: list[Plan], budget_bytes: int, t0: float,
+            first: str = "milp") -> Plan:
     """Spend the slack the coarse model leaves: drop, on the fine graph, every recomputation the
-    budget does not need (solver/refine.py), starting from the MILP's plan and, as a second
-    candidate, from equal_spacing's; keep the cheaper. The MILP's own numbers stay in details."""
-    cands = [("milp", drop_recomputations(graph, plan.schedule, budget_bytes))]
-    if es.fits:
-        cands.append(("equal_spacing", drop_recomputations(graph, es.schedule, budget_bytes)))
+    budget does not need (solver/refine.py), starting from `plan` and from each fitting plan of
+    `others` (equal_spacing's, the lowest-peak one); keep the cheaper. The MILP's own numbers stay
+    in details."""
+    cands = [(first, drop_recomputations(graph, plan.schedule, budget_bytes))]
+    for p in others:
+        if p.predicted_peak_bytes <= budget_bytes:
+            name = "equal_spacing" if p.strategy == "equal_spacing" else "lowest_peak"
+            cands.append((name, drop_recomputations(graph, p.schedule, budget_bytes)))
     judged = [(name, sched, simulate(graph, sched)) for name, sched in cands]
     name, sched, sim = min(judged, key=lambda c: (c[2].extra_cost, c[2].peak_bytes))
     details = {**plan.details, "milp_plan": {"extra_cost": plan.extra_cost,
@@ -639,49 +702,79 @@ def _polish(graph: TrainingGraph, plan: Plan, es: Plan, budget_bytes: int, t0: f
     return out
 
 
-def _min_peak(graph: TrainingGraph, g: TrainingGraph, backend: str, time_limit_s: float,
-              threads: int | None) -> Plan | None:
+def _min_peak(graph: TrainingGraph, g: TrainingGraph, backend: str, limits: Limits,
+              attempts_log: list) -> Plan | None:
     """Minimise M >= U[t,k] + workspace + kept + resident over the MILP's space (no budget)."""
     t0 = time.perf_counter()
     total = g.resident_bytes + sum(v.out_bytes + v.kept_bytes + max(v.workspace_bytes, 0)
                                    for v in g.nodes)
     unit = _unit(total, g)
     model = _build(g, None, unit, minimise_peak=True)
-    warm = False
     base = min(_baselines(graph, g, None), key=lambda ns: simulate(g, ns[1]).peak_bytes)
     stages = _stages_of(g, base[1])
-    if backend == "cbc" and stages is not None:
-        warm = _assign(model, stages)
-    left = max(1.0, time_limit_s - (time.perf_counter() - t0) - POLISH_RESERVE_S)
-    status, gap, _ = _run(model, backend, left, None, threads, warm, False)
-    if status == "infeasible":
+    warm = stages is not None and _assign(model, stages)
+    out = _solve_milp(model, backend, replace(limits, mip_gap=None), warm, False, attempts_log)
+    if out.status not in ("optimal", "feasible"):
         return None
     return _finish(graph, g, _solution_stages(model), strategy="checkmate", budget=None,
-                   status=status, t0=t0, gap=gap,
+                   status=out.status, t0=t0, gap=out.gap,
                    details={"milp_peak_bytes": _milp_peak(model), "coarse_nodes": len(g.nodes)})
 
 
-def min_feasible_budget(graph: TrainingGraph, *, time_limit_s: float = 60.0, backend: str = "cbc",
-                        coarsen_to: int | None = DEFAULT_COARSEN_TO, threads: int | None = None,
-                        return_plan: bool = False):
-    """The smallest budget for which a plan was found: solve the MILP minimising the peak (a
-    variable M >= U[t,k] + workspace + kept + resident for every t, k) and return the FINE
-    simulated peak of that plan (with coarsening it can be below the coarse model's own peak,
-    which is in plan.details; `solve` at this budget falls back to this same min-peak plan when its
-    coarse MILP is infeasible). When equal_spacing's lowest-peak plan peaks lower (or the MILP
-    finds nothing in time), that plan is the answer; plan.details says which one it is."""
+# lowest-peak plans per (graph object, options): min_feasible_budget and solve's last fallback read
+# the same entry, so the budget one reports is a budget the other accepts, whatever the limits
+_LOWEST: dict = {}
+
+
+def _lowest_peak(graph: TrainingGraph, *, backend: str, coarsen_to: int | None, limits: Limits,
+                 deadline: float | None = None) -> Plan:
+    """The lowest-peak plan known: the min-peak MILP's or equal_spacing's lowest, whichever peaks
+    lower (cached per graph object and options `limits`, whatever wall clock was left before
+    `deadline` when it was computed; a copy is returned)."""
+    key = (id(graph), backend, coarsen_to, limits)
+    hit = _LOWEST.get(key)
+    if hit is not None and hit[0]() is graph:
+        return copy.deepcopy(hit[1])
     t0 = time.perf_counter()
-    threads = threads or min(os.cpu_count() or 1, 8)
+    name = default_backend() if backend == "auto" else backend
     g = _prepare(graph, coarsen_to)
-    plan = _min_peak(graph, g, backend, time_limit_s - (time.perf_counter() - t0), threads)
+    log: list = []
+    plan = _min_peak(graph, g, name, _until(limits, deadline), log)
     # equal_spacing's lowest-peak plan is a valid answer too; the coarse model can miss it
     es = equal_spacing.solve(graph, 1)
+    failed = [a for a in log if "error" in a]
     if plan is None or es.predicted_peak_bytes < plan.predicted_peak_bytes:
         if plan is not None:
             es.details["min_peak_milp_bytes"] = plan.predicted_peak_bytes
         es.strategy, es.status = "checkmate", "feasible"
-        es.details["schedule_source"] = "equal_spacing (lower peak than the min-peak MILP)"
+        es.details["schedule_source"] = ("equal_spacing (lower peak than the min-peak MILP)" if plan is not None
+                                         else "equal_spacing (the min-peak MILP found no plan)")
         plan = es
+    else:
+        plan.details["schedule_source"] = "min_peak_milp"
+    if failed:
+        _warn(f"min-peak MILP backend failure ({failed[0]['error']}); "
+              f"answered by {log[-1]['backend'] if 'status' in log[-1] else 'equal_spacing'}")
+    plan.details["attempts"] = log
     plan.budget_bytes = plan.predicted_peak_bytes
     plan.solve_time_s = time.perf_counter() - t0  # coarsening and the comparison included
+    _LOWEST[key] = (weakref.ref(graph, lambda _, k=key: _LOWEST.pop(k, None)), plan)
+    return copy.deepcopy(plan)
+
+
+def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",
+                        max_nodes: int | None = None,
+                        time_limit_s: float | None = None, coarsen_to: int | None = DEFAULT_COARSEN_TO,
+                        threads: int | None = 1, mip_gap: float | None = 1e-4, return_plan: bool = False,
+                        **_: object):
+    """The smallest budget for which a plan was found: solve the MILP minimising the peak (a
+    variable M >= U[t,k] + workspace + kept + resident for every t, k) and return the FINE
+    simulated peak of that plan (with coarsening it can be below the coarse model's own peak,
+    which is in plan.details). When equal_spacing's lowest-peak plan peaks lower (or the MILP
+    finds nothing), that plan is the answer; plan.details says which one it is. `solve` with the
+    same options accepts every budget at or above this answer: this plan is its last fallback
+    (cached per graph object). Options as in `solve` (mip_gap does not apply: kept for symmetry)."""
+    limits = _limits(time_limit_s, max_nodes, mip_gap, threads)
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    plan = _lowest_peak(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
     return (plan.predicted_peak_bytes, plan) if return_plan else plan.predicted_peak_bytes

@@ -96,7 +96,7 @@ def test_fits_and_never_worse_than_equal_spacing(g, coarsen_to):
     lowest = equal_spacing.solve(g, 0).predicted_peak_bytes
     for frac in (0.25, 0.6, 1.0):
         budget = int(lowest + (full - lowest) * frac)
-        plan = checkmate.solve(g, budget, coarsen_to=coarsen_to, time_limit_s=30)
+        plan = checkmate.solve(g, budget, coarsen_to=coarsen_to)
         check_plan(g, plan, budget)
         assert plan.status in ("optimal", "feasible"), plan.details
         es = equal_spacing.solve(g, budget)
@@ -189,7 +189,7 @@ def test_coarsen_folds_views_and_keeps_targets():
 def test_transformer_plan_details():
     g = transformer_like(3)
     full = peak(g, keep_all_schedule(g))
-    plan = checkmate.solve(g, full // 2, coarsen_to=60, time_limit_s=8)
+    plan = checkmate.solve(g, full // 2, coarsen_to=60, max_nodes=20)
     check_plan(g, plan, full // 2)
     assert plan.status in ("optimal", "feasible")
     assert plan.details["coarse_nodes"] <= 60 and plan.details["fine_nodes"] == len(g.nodes)
@@ -200,15 +200,21 @@ def test_transformer_plan_details():
     assert Plan.from_json(plan.to_json()).schedule == plan.schedule
 
 
-def test_highs_backend_matches_cbc():
-    pytest.importorskip("highspy", reason="backend='highs' needs highspy")
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+def test_each_backend_matches_brute_force(backend):
+    from remat.solver import backends
+
+    if not backends.available(backend):
+        pytest.skip(f"backend {backend!r} is not installed here")
     for n, seed in ((4, 0), (7, 1), (9, 2)):
         g = training_chain(n, seed)
         lo, hi = budgets(g)
         for budget in (lo, (lo + hi) // 2):
-            a = checkmate.solve(g, budget, backend="highs")
+            a = checkmate.solve(g, budget, backend=backend)
+            assert a.details["backend"] == backend and a.details["attempts"][0]["backend"] == backend
             assert a.status == "optimal" and a.total_cost == pytest.approx(brute_force(g, budget)[0])
-        assert checkmate.solve(g, lo - 1, backend="highs").status == "infeasible"
+        assert checkmate.solve(g, lo - 1, backend=backend).status == "infeasible"
+        assert checkmate.min_feasible_budget(g, backend=backend) == lo
 
 
 def test_unknown_backend():

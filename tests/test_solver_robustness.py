@@ -1,0 +1,287 @@
+"""The checkmate solver cannot crash, does not depend on machine load, never contradicts itself.
+
+* backends: HiGHS is the default when highspy is installed; CBC still works; a failing backend
+  (an exception, a segfaulting CBC binary, no solution) falls back to the next one and finally to
+  the best heuristic plan, with a SolverFallbackWarning, never a traceback.
+* determinism: the default limits are work limits (nodes), not wall clock: the same graph and
+  budget give the same schedule, also while a CPU burner competes for the cores.
+* consistency: a budget at or above the smallest feasible budget reported (by
+  min_feasible_budget or InfeasibleBudgetError) is answered with a plan that fits.
+* hygiene: no ResourceWarning (unclosed files), no temporary file or directory left behind.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import pytest
+
+import remat.api as api
+from remat.solver import backends, checkmate, equal_spacing
+from remat.solver.backends import BackendError
+from remat.solver.checkmate import SolverFallbackWarning
+from remat.solver.plan import InfeasibleBudgetError
+from remat.solver.schedule import keep_all_schedule
+from remat.solver.simulator import simulate
+from tests.conftest import brute_force, random_dag, training_chain, transformer_like
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+needs_highs = pytest.mark.skipif(not backends.available("highs"), reason="highspy is not installed")
+needs_cbc = pytest.mark.skipif(not backends.available("cbc"), reason="PuLP's CBC is not available")
+
+
+def _fits(g, plan, budget):
+    sim = simulate(g, plan.schedule)  # the judge: never trust the plan's own numbers
+    assert sim.peak_bytes == plan.predicted_peak_bytes
+    assert sim.peak_bytes <= budget
+    return sim
+
+
+def _mid_budget(g):
+    lo = equal_spacing.solve(g, 0).predicted_peak_bytes
+    hi = simulate(g, keep_all_schedule(g)).peak_bytes
+    return (lo + hi) // 2
+
+
+# ---- backends -------------------------------------------------------------------------------------
+
+@needs_highs
+def test_highs_is_the_default_backend():
+    assert backends.default_backend() == "highs"
+    g = training_chain(6, 1)
+    lo, _ = brute_force(g, None, objective="peak")
+    plan = checkmate.solve(g, lo + 3)
+    assert plan.details["backend_requested"] == "auto" and plan.details["backend"] == "highs"
+    assert [a["backend"] for a in plan.details["attempts"]] == ["highs"]
+    assert plan.status == "optimal" and plan.total_cost == pytest.approx(brute_force(g, lo + 3)[0])
+
+
+@needs_cbc
+def test_cbc_still_works_and_is_the_default_without_highspy(monkeypatch):
+    g = training_chain(7, 2)
+    lo, _ = brute_force(g, None, objective="peak")
+    best = brute_force(g, lo + 2)[0]
+    plan = checkmate.solve(g, lo + 2, backend="cbc")
+    assert plan.status == "optimal" and plan.total_cost == pytest.approx(best)
+    real = backends.available
+    monkeypatch.setattr(backends, "available", lambda b: b != "highs" and real(b))
+    assert backends.default_backend() == "cbc"
+    plan = checkmate.solve(g, lo + 2)
+    assert plan.details["backend"] == "cbc" and plan.total_cost == pytest.approx(best)
+
+
+@needs_cbc
+@needs_highs
+def test_a_failing_backend_falls_back_to_the_next(monkeypatch):
+    real = backends.run
+
+    def broken_highs(prob, backend, limits, **kw):
+        if backend == "highs":
+            raise BackendError("highs: simulated failure")
+        return real(prob, backend, limits, **kw)
+
+    monkeypatch.setattr(checkmate, "run_backend", broken_highs)
+    g = training_chain(6, 0)
+    budget = _mid_budget(g)
+    with pytest.warns(SolverFallbackWarning, match="simulated failure"):
+        plan = checkmate.solve(g, budget)
+    _fits(g, plan, budget)
+    assert plan.status == "optimal" and plan.details["backend"] == "cbc"
+    assert plan.details["attempts"][0] == {**plan.details["attempts"][0], "backend": "highs",
+                                           "error": "highs: simulated failure"}
+    assert plan.total_cost == pytest.approx(brute_force(g, budget)[0])
+
+
+@pytest.mark.parametrize("how", ["error", "no solution"])
+def test_every_backend_failing_gives_the_heuristic_plan(monkeypatch, how):
+    def broken(prob, backend, limits, **kw):
+        if how == "error":
+            raise BackendError(f"{backend}: simulated crash")
+        return backends.Outcome("none")  # no solution, and no limit to explain it
+
+    monkeypatch.setattr(checkmate, "run_backend", broken)
+    g = transformer_like(2)
+    budget = _mid_budget(g)
+    es = equal_spacing.solve(g, budget)
+    assert es.fits
+    with pytest.warns(SolverFallbackWarning, match="answering with the best heuristic plan"):
+        plan = checkmate.solve(g, budget, coarsen_to=40)
+    sim = _fits(g, plan, budget)
+    assert plan.status == "feasible" and plan.strategy == "checkmate"
+    assert plan.details["fallback"]["reason"].startswith("every backend failed")
+    assert sim.extra_cost <= es.extra_cost  # equal_spacing's plan, refined on the fine graph
+    assert len(plan.details["attempts"]) >= 1
+
+
+def test_node_limit_without_incumbent_is_not_a_failure(monkeypatch):
+    """A search its node limit stopped before any incumbent is deterministic, not a crash: no
+    other backend is tried, no warning; the heuristic plan answers and details say why."""
+    tried = []
+
+    def limited(prob, backend, limits, **kw):
+        tried.append(backend)
+        return backends.Outcome("none", stopped_by="node limit")
+
+    monkeypatch.setattr(checkmate, "run_backend", limited)
+    g = transformer_like(2)
+    budget = _mid_budget(g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SolverFallbackWarning)
+        plan = checkmate.solve(g, budget, coarsen_to=40)
+    _fits(g, plan, budget)
+    assert len(tried) == 1 and plan.status == "feasible"
+    assert plan.details["fallback"]["reason"] == "no incumbent within the MILP's node limit"
+
+
+def _fake_cbc(tmp_path, body: str) -> str:
+    path = tmp_path / "cbc"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return str(path)
+
+
+@needs_cbc
+def test_cbc_segfault_on_warm_start_retries_cold(monkeypatch, tmp_path):
+    """The bundled CBC crashes (SIGSEGV) on some warm starts: a CBC that segfaults whenever it is
+    given a `-mips` start file must cost a retry without it, not a traceback."""
+    import pulp
+
+    real = pulp.PULP_CBC_CMD.pulp_cbc_path
+    fake = _fake_cbc(tmp_path, f'case "$*" in *-mips*) kill -SEGV $$;; esac\nexec "{real}" "$@"')
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", fake)
+    g = training_chain(6, 3)
+    budget = _mid_budget(g)
+    with pytest.warns(SolverFallbackWarning, match="cbc"):
+        plan = checkmate.solve(g, budget, backend="cbc")
+    _fits(g, plan, budget)
+    first, second = plan.details["attempts"][:2]
+    assert first["backend"] == "cbc" and first["warm_start"] and "error" in first
+    assert second == {**second, "backend": "cbc", "warm_start": False, "status": "optimal"}
+    assert plan.total_cost == pytest.approx(brute_force(g, budget)[0])
+
+
+@needs_cbc
+def test_cbc_always_crashing_never_raises(monkeypatch, tmp_path):
+    import pulp
+
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", _fake_cbc(tmp_path, "kill -SEGV $$"))
+    monkeypatch.setattr(backends, "available", lambda b: b == "cbc")  # no HiGHS to fall back to
+    g = random_dag(20, 4)
+    budget = _mid_budget(g)
+    with pytest.warns(SolverFallbackWarning):
+        plan = checkmate.solve(g, budget, backend="cbc")
+    _fits(g, plan, budget)
+    assert all("error" in a for a in plan.details["attempts"])
+    with pytest.warns(SolverFallbackWarning):
+        m, low = checkmate.min_feasible_budget(g, backend="cbc", return_plan=True)
+    assert m == low.predicted_peak_bytes == equal_spacing.solve(g, 0).predicted_peak_bytes
+
+
+# ---- determinism ----------------------------------------------------------------------------------
+
+def _limited_solve(g, budget):
+    # one node and no gap tolerance: the search is cut by the node limit (not proven optimal), as
+    # the default solve is on real models; a wall-clock limit here would make it load-dependent
+    return checkmate.solve(g, budget, coarsen_to=40, max_nodes=1, mip_gap=0)
+
+
+@needs_highs
+def test_same_schedule_every_time_even_under_load():
+    g = transformer_like(3)
+    lo = equal_spacing.solve(g, 0).predicted_peak_bytes
+    budget = int(lo + (simulate(g, keep_all_schedule(g)).peak_bytes - lo) * 0.35)
+    first = _limited_solve(g, budget)
+    assert first.details["attempts"] == [{**first.details["attempts"][0], "backend": "highs",
+                                          "status": "feasible", "stopped_by": "node limit"}]
+    assert first.details["limits"]["time_limit_s"] is None
+    # a fresh graph object: nothing is cached between the solves
+    again = _limited_solve(transformer_like(3), budget)
+    assert again.schedule == first.schedule
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded = _limited_solve(transformer_like(3), budget)
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    assert loaded.schedule == first.schedule
+    assert loaded.details["objective"] == first.details["objective"]
+
+
+# ---- consistency ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("g, opts", [
+    (training_chain(8, 5), {}),
+    # the coarse MILP is infeasible at the reported budget (its memory model is conservative) and
+    # equal_spacing peaks higher: only the lowest-peak plan answers it
+    (random_dag(50, 4), {"coarsen_to": 30}),
+    (random_dag(40, 3), {"coarsen_to": 20, "max_nodes": 1}),  # a weak search: still consistent
+], ids=["chain8", "dag50-coarse", "dag40-weak"])
+def test_reported_smallest_budget_is_accepted(g, opts):
+    m = checkmate.min_feasible_budget(g, **opts)
+    for b in (m, m + 1, m + (m >> 6)):
+        plan = api.solve(g, b, **opts)
+        _fits(g, plan, b)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        api.solve(g, m // 2, **opts)
+    assert e.value.min_feasible_bytes == m
+    _fits(g, api.solve(g, e.value.min_feasible_bytes, **opts), m)
+
+
+def test_smallest_budget_is_accepted_even_if_a_second_search_would_differ(monkeypatch):
+    """By construction, not by luck of the limits: the min-peak MILP answers once, then (as a
+    time-limited search on a busier machine could) finds nothing; solve still accepts the budget
+    reported, because it falls back to the same lowest-peak plan."""
+    g = random_dag(50, 4)
+    real, calls = checkmate._min_peak, []
+
+    def once(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw) if len(calls) == 1 else None
+
+    monkeypatch.setattr(checkmate, "_min_peak", once)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        api.solve(g, g.resident_bytes + 1, coarsen_to=30)
+    m = e.value.min_feasible_bytes
+    assert m < equal_spacing.solve(g, 0).predicted_peak_bytes  # the MILP's plan, not equal_spacing's
+    plan = api.solve(g, m, coarsen_to=30)
+    _fits(g, plan, m)
+    assert plan.details["fallback"]["candidates"] == ["lowest_peak"]
+
+
+def test_smallest_budget_is_accepted_when_every_backend_fails(monkeypatch):
+    def broken(prob, backend, limits, **kw):
+        raise BackendError(f"{backend}: simulated crash")
+
+    monkeypatch.setattr(checkmate, "run_backend", broken)
+    g = random_dag(30, 5)
+    with pytest.warns(SolverFallbackWarning):
+        with pytest.raises(InfeasibleBudgetError) as e:
+            api.solve(g, g.resident_bytes + 1, coarsen_to=20)
+    m = e.value.min_feasible_bytes
+    with pytest.warns(SolverFallbackWarning):
+        _fits(g, api.solve(g, m, coarsen_to=20), m)
+
+
+# ---- hygiene --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", [pytest.param("highs", marks=needs_highs),
+                                     pytest.param("cbc", marks=needs_cbc)])
+def test_no_resource_warning_and_no_temp_files(backend, monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # every temporary file goes here
+    g = training_chain(6, 4)
+    budget = _mid_budget(g)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        plan = checkmate.solve(g, budget, backend=backend)
+        checkmate.solve(g, g.resident_bytes, backend=backend)  # infeasible: the fallback path too
+        gc.collect()
+    _fits(g, plan, budget)
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert os.listdir(tmp_path) == []
