@@ -38,7 +38,8 @@ def main() -> int:
     ap.add_argument("--no-min-feasible", dest="min_feasible", action="store_false")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="optional wall-clock limit on the MILP (default: deterministic work limits only)")
     ap.add_argument("--fused-attention", choices=["exact", "all", "off"], default="exact")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()

@@ -9,11 +9,18 @@ if _os.path.isfile(_os.path.join(_root, "graph_capture", "__init__.py")) and _ro
     __path__.append(_root)
 
 from remat.api import InfeasibleBudgetError, TraceError, capture, optimize, solve
-from remat.graph_capture.autocast_state import AutocastMismatchError  # [engineer D] a call under another autocast
+from remat.graph_capture.autocast_state import AutocastMismatchError
+from remat.graph_capture.joint import ParameterMismatchError
+from remat.graph_capture.outputs import OutputError
 from remat.measure import count_flops, measure_peak, resident_bytes
+from remat.runtime.module import ModeMismatchError, OutsideBudgetWarning
+from remat.runtime.partition import PlanMismatchError
+from remat.solver.checkmate import SolverFallbackWarning
 from remat.solver.plan import Plan, PlanFileError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 
 __all__ = ["optimize", "capture", "solve", "measure_peak", "count_flops", "resident_bytes", "Plan",
-           "InfeasibleBudgetError", "TraceError", "PlanFileError", "RematArgumentError", "RematArgumentTypeError",
-           "AutocastMismatchError"]
+           # the errors and warnings remat documents (README: "What remat refuses")
+           "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
+           "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
+           "ModeMismatchError", "OutsideBudgetWarning", "SolverFallbackWarning"]

@@ -2,6 +2,7 @@
 `benchmarks/core.py`."""
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,7 +42,10 @@ class StrategyRow:
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "plan"}
+        sched = self.plan.schedule if self.plan else []
         return {**d, "measured_over_predicted": self.measured_over_predicted,
+                # identifies the plan across runs (benchmarks/demo_under_load.py)
+                "schedule_sha256": hashlib.sha256("\n".join(sched).encode()).hexdigest(),
                 "plan_details": {k: v for k, v in (self.plan.details if self.plan else {}).items()
                                  if isinstance(v, (int, float, str, dict))}}
 
@@ -101,7 +105,7 @@ def _routed(step: Callable, model: nn.Module) -> Callable:
 
 def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes: int | None, *,
                  reference: tuple[torch.Tensor, list[torch.Tensor], int] | None = None,
-                 plan: Plan | None = None, time_limit_s: float = 60.0, seed: int = 0,
+                 plan: Plan | None = None, time_limit_s: float | None = None, seed: int = 0,
                  device: str | torch.device | None = None, fused_attention: bool | str = True) -> StrategyRow:
     """Optimize `model` with `strategy` under `budget_bytes` (None: no budget, keep_all only),
     then measure a real step: peak memory, FLOPs, time and gradients against `reference`."""

@@ -146,7 +146,7 @@ def _run_highs(prob, limits: Limits, warm: bool, msg: bool) -> Outcome:
         rhs = -c.constant  # PuLP keeps the constant on the left: sum a x + constant (sense) 0
         rlo.append(rhs if c.sense in (pulp.const.LpConstraintGE, pulp.const.LpConstraintEQ) else -inf)
         rup.append(rhs if c.sense in (pulp.const.LpConstraintLE, pulp.const.LpConstraintEQ) else inf)
-    h = highspy.Highs()
+    h = _new_highs(highspy) if not msg else highspy.Highs()
     h.setOptionValue("output_flag", bool(msg))
     options = {"mip_rel_gap": limits.mip_gap, "mip_max_nodes": limits.max_nodes,
                "time_limit": limits.time_limit_s, "threads": limits.threads, "random_seed": 0}
@@ -247,3 +247,24 @@ def _run_cbc(prob, limits: Limits, warm: bool, msg: bool) -> Outcome:
     if gap is None and bound is not None:
         gap = (obj - bound) / max(abs(obj), 1e-12)
     return Outcome("feasible", objective=obj, bound=bound, gap=gap, stopped_by=stopped)
+
+
+def _new_highs(highspy):
+    """A Highs instance without its banner: the C++ constructor prints it to the process's stdout
+    (once per process), before any option can turn output off, into the middle of the user's own
+    output. stdout's file descriptor points at /dev/null for the constructor alone."""
+    import ctypes
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            try:
+                return highspy.Highs()
+            finally:
+                ctypes.CDLL(None).fflush(None)  # C stdio's buffer goes to /dev/null too
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
