@@ -309,20 +309,22 @@ def _flat(g: TrainingGraph, stages: list[list[int]]) -> list[str]:
 
 
 def _prune(g: TrainingGraph, schedule: list[str]) -> list[str]:
-    """Drop recomputations whose instance nobody reads (each drop lowers cost and never raises the
-    peak), until none is left."""
+    """Drop computations whose instance nobody reads (each drop lowers cost and never raises the
+    peak), until none is left. The first instance goes too when a later one exists: Checkmate's
+    frontier-advancing stages compute node t in stage t even when it is recomputed before anyone
+    reads it (the min-peak MILP, which does not price compute, leaves many such), and the runtime
+    would drop such a dead instance as dead code, so the plan must not count it."""
     sched = list(schedule)
     while True:
         drop = set()
         pending: set[str] = set()  # names read later, before their next computation
-        first = {}
-        for s, name in enumerate(sched):
-            first.setdefault(name, s)
+        later: set[str] = set()  # names with a kept instance after this step
         for s in range(len(sched) - 1, -1, -1):
             name = sched[s]
-            if name not in pending and first[name] != s:
+            if name not in pending and name in later:
                 drop.add(s)
                 continue  # its reads are dropped with it
+            later.add(name)
             pending.discard(name)
             pending.update(g.node(name).inputs)
         if not drop:

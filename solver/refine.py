@@ -9,6 +9,8 @@ prune recomputations nothing reads. Cost can only go down; the peak stays within
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.simulator import last_reads, simulate
 
@@ -16,19 +18,20 @@ __all__ = ["prune_unread", "drop_recomputations"]
 
 
 def prune_unread(graph: TrainingGraph, schedule: list[str]) -> list[str]:
-    """Remove recomputations whose instance no step reads (repeat until none is left)."""
+    """Remove instances no step reads while another instance of the same node exists (the first
+    one included: the runtime drops a dead first instance as dead code), until none is left."""
     sched = list(schedule)
     while True:
         frees = last_reads(graph, sched)
-        seen: set[str] = set()
+        count = Counter(sched)
         dead = set()
         for s, name in enumerate(sched):
             # an instance all of whose outputs are freed at its own step was never read
             node = graph.node(name)
             own = sum(1 for f, _ in frees[s] if f == name)
-            if name in seen and own == max(len(node.out_parts), 1) and node.kept_bytes == 0:
+            if count[name] > 1 and own == max(len(node.out_parts), 1) and node.kept_bytes == 0:
                 dead.add(s)
-            seen.add(name)
+                count[name] -= 1
         if not dead:
             return sched
         sched = [n for s, n in enumerate(sched) if s not in dead]

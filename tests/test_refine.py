@@ -4,7 +4,7 @@ from remat.solver import equal_spacing
 from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.schedule import keep_all_schedule
 from remat.solver.simulator import simulate
-from tests.conftest import transformer_like
+from tests.conftest import training_chain, transformer_like
 
 
 def test_dropping_recomputations_keeps_schedules_valid_and_within_budget():
@@ -33,3 +33,19 @@ def test_prune_removes_unread_recomputations_only():
     noisy = sched + [rng.choice(fwd) for _ in range(10)]
     simulate(g, noisy)
     assert prune_unread(g, noisy) == sched
+
+
+def test_a_dead_first_instance_is_pruned_as_the_runtime_drops_it():
+    """An instance nobody reads before the node's next instance is dead code at run time, the
+    first one too (Checkmate's stages compute node t in stage t even when it is recomputed
+    before any read); the plan must not count its cost."""
+    from remat.solver.checkmate import _prune
+
+    g = training_chain(3, seed=1)
+    plain = [n.name for n in g.nodes]
+    dead_first = ["f1", "f1", *plain[1:]]  # f1 computed, then again before f2 reads it
+    assert prune_unread(g, dead_first) == plain
+    assert _prune(g, dead_first) == plain
+    read_twice = ["f1", "f2", "f1", *plain[2:]]  # both instances read (f2, then b1): nothing to drop
+    assert prune_unread(g, read_twice) == read_twice
+    assert _prune(g, read_twice) == read_twice
