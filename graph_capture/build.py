@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from remat.graph_capture.training_graph import Node, TrainingGraph
-from remat.graph_capture.workspace import OpProbe, probe_ops
+from remat.graph_capture.workspace import OpProbe, probe_ops, tensors_in
 
 __all__ = ["JointGraphInfo", "build_training_graph", "split_dropout_outputs", "BYTES_WEIGHT"]
 
@@ -49,14 +49,6 @@ class JointGraphInfo:
     groups: dict[str, list[fx.Node]]  # TrainingGraph node name -> its fx nodes, in graph order
     resident_aliases: list[fx.Node]  # views of placeholders, emitted up front by the runtime
     graph: TrainingGraph
-
-
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
-    return []
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -138,8 +130,8 @@ def _flops(n: fx.Node) -> int:
 
 
 def _traffic_bytes(n: fx.Node) -> int:
-    read = sum(t.numel() * t.element_size() for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
-    written = sum(t.numel() * t.element_size() for t in _tensors(n.meta.get("val")))
+    read = sum(t.numel() * t.element_size() for a in n.all_input_nodes for t in tensors_in(a.meta.get("val")))
+    written = sum(t.numel() * t.element_size() for t in tensors_in(n.meta.get("val")))
     return read + written
 
 
@@ -215,13 +207,13 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     # run each op once on real tensors: its workspace, and the real size of its outputs' storages
     probed = OpProbe()
     if probe:
-        devices = {t.device for n in g.nodes if n.op == "placeholder" for t in _tensors(n.meta.get("val"))}
+        devices = {t.device for n in g.nodes if n.op == "placeholder" for t in tensors_in(n.meta.get("val"))}
         if len(devices) == 1:
             probed = probe_ops(gm, next(iter(devices)))
 
     for n in g.nodes:
         if n.op == "placeholder":
-            for t in _tensors(n.meta.get("val")):
+            for t in tensors_in(n.meta.get("val")):
                 ref = StorageWeakRef(t.untyped_storage())
                 if ref not in resident:
                     resident.add(ref)
@@ -229,11 +221,11 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
             continue
         if n.op != "call_function":
             continue
-        refs = [StorageWeakRef(t.untyped_storage()) for t in _tensors(n.meta.get("val"))]
+        refs = [StorageWeakRef(t.untyped_storage()) for t in tensors_in(n.meta.get("val"))]
         real = probed.out_storages.get(n.name, ())
         owners = set()
         fresh = False
-        for j, (ref, t) in enumerate(zip(refs, _tensors(n.meta.get("val")))):
+        for j, (ref, t) in enumerate(zip(refs, tensors_in(n.meta.get("val")))):
             if ref in resident:
                 owners.add(None)
             elif ref in storage_owner:
@@ -286,7 +278,7 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
         owned = [r for r, o in storage_owner.items() if o is owner]
         for ref in owned:
             aliases = [m for m in members if any(StorageWeakRef(t.untyped_storage()) == ref
-                                                 for t in _tensors(m.meta.get("val")))]
+                                                 for t in tensors_in(m.meta.get("val")))]
             is_out = any(m in output_nodes for m in aliases)
             readers = sorted({group_of[u].name for m in aliases for u in m.users
                               if u not in member_set and u in group_of})

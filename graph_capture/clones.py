@@ -17,6 +17,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from remat.graph_capture.workspace import tensors_in
+
 __all__ = ["drop_redundant_clones"]
 
 aten = torch.ops.aten
@@ -68,14 +70,6 @@ def _redundant(c: fx.Node, outputs: set[fx.Node], untouchable: set[StorageWeakRe
     return _storage(xv) not in untouchable and _storage(cv) not in untouchable
 
 
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
-    return []
-
-
 def _aliases(c: fx.Node) -> list[fx.Node] | None:
     """The nodes whose values alias the copy's storage (its views, their views...), in graph
     order; None when one of them is not a single tensor (a list of views: left alone)."""
@@ -88,7 +82,7 @@ def _aliases(c: fx.Node) -> list[fx.Node] | None:
         if n in seen:
             continue
         seen.add(n)
-        ts = _tensors(n.meta.get("val"))
+        ts = tensors_in(n.meta.get("val"))
         if not any(_storage(t) == old for t in ts):
             continue
         if not isinstance(n.meta.get("val"), torch.Tensor) or n.op != "call_function":

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from remat.measure import quiet_profile  # the profiler without Kineto's USDT lines on stderr
 
-__all__ = ["OpProbe", "probe_ops", "probe_workspaces"]
+__all__ = ["OpProbe", "probe_ops", "probe_workspaces", "tensors_in"]
 
 
 def _real(v, device: torch.device):
@@ -57,27 +57,28 @@ def _signature(n: fx.Node) -> tuple:
     return (str(n.target), sig(n.args), sig(tuple(sorted(n.kwargs.items()))))
 
 
-def _flat(out) -> list[torch.Tensor]:
-    """The tensors of an op's result, in the order build.py's `_tensors` lists a node's value."""
+def tensors_in(out) -> list[torch.Tensor]:
+    """The tensors of an op's result (or a node's value), flattened in order; the one definition
+    that workspace probing, graph building and clone removal share."""
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _flat(v)]
+        return [t for v in out for t in tensors_in(v)]
     return []
 
 
 def _storages(out, inputs) -> tuple[int | None, ...]:
     """Real storage bytes of each output tensor; None where it is an input's storage (a view)."""
-    held = {t.untyped_storage().data_ptr() for t in _flat(inputs)}
+    held = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
     return tuple(None if t.untyped_storage().data_ptr() in held else int(t.untyped_storage().nbytes())
-                 for t in _flat(out))
+                 for t in tensors_in(out))
 
 
 def _out_bytes(out, inputs) -> int:
     """Bytes of the distinct storages the op's result holds that are not its inputs'."""
-    held = {t.untyped_storage().data_ptr() for t in _flat(inputs)}
+    held = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
     seen, total = set(), 0
-    for t in _flat(out):
+    for t in tensors_in(out):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in held and ptr not in seen:
             seen.add(ptr)
@@ -90,7 +91,7 @@ class OpProbe:
     """What running each op once showed, by fx node name (nodes that could not run are absent)."""
 
     workspace: dict[str, int] = field(default_factory=dict)  # bytes beyond the outputs while it runs
-    # real storage bytes of each tensor output, in `_tensors` order; None: an input's storage
+    # real storage bytes of each tensor output, in `tensors_in` order; None: an input's storage
     out_storages: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
 
 
