@@ -46,24 +46,23 @@ def _number(s: str) -> float:
     return x
 
 
-def _positive_int(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
+def _int_at_least(lowest: int, what: str):
+    """An argparse type: an integer >= `lowest`, described as `what` in the error."""
+
+    def parse(s: str) -> int:
+        try:
+            n = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if n < lowest:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {n}")
+        return n
+
+    return parse
 
 
-def _count(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {n}")
-    return n
+_positive_int = _int_at_least(1, "a positive integer")
+_count = _int_at_least(0, "a non-negative integer")
 
 
 def _positive(s: str) -> float:
