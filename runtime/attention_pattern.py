@@ -332,10 +332,7 @@ class ExplicitAttentionTracker:
         if chain is None or chain.stage == "kT" or tuple(out.shape) != tuple(x.shape):
             return None  # every step of the pattern keeps the scores' shape
         if func in _MUL_OPS or func in _DIV_OPS:
-            factor = self._scale_factor(func in _MUL_OPS, args, kwargs)
-            if chain.stage == "scores" and factor is not None and _positive_factor(chain.scale * factor):
-                self._tag(out, replace(chain, scale=chain.scale * factor))
-            return None
+            return self._scale(chain, func in _MUL_OPS, args, kwargs, out)
         if func in _MASKED_FILL_OPS:
             return self._masked_fill(chain, x, _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "value"), out)
         if func in _SOFTMAX_OPS:
@@ -404,6 +401,13 @@ class ExplicitAttentionTracker:
             return None
         return None
 
+    def _scale(self, chain: AttentionChain, multiply: bool, args, kwargs, out) -> None:
+        """Scores times (or divided by) a positive finite python scalar, in place or not."""
+        factor = self._scale_factor(multiply, args, kwargs)
+        if chain.stage == "scores" and factor is not None and _positive_factor(chain.scale * factor):
+            self._tag(out, replace(chain, scale=chain.scale * factor))
+        return None
+
     def _inplace(self, func, args, kwargs, out, pre_version) -> str | None:
         """`att /= s`, `att *= s`, `att.masked_fill_(...)`, `att += mask` on an untouched chain value:
         re-tag the same tensor with what it now holds. Anything else leaves its tag stale."""
@@ -412,10 +416,7 @@ class ExplicitAttentionTracker:
         if chain is None or chain.broken is not None or out is not x or pre_version != chain.version:
             return None  # not a chain value, or already modified: the version check catches it
         if func in _IMUL_OPS or func in _IDIV_OPS:
-            factor = self._scale_factor(func in _IMUL_OPS, args, kwargs)
-            if chain.stage == "scores" and factor is not None and _positive_factor(chain.scale * factor):
-                self._tag(out, replace(chain, scale=chain.scale * factor))
-            return None
+            return self._scale(chain, func in _IMUL_OPS, args, kwargs, out)
         if func in _IMASKED_FILL_OPS:
             return self._masked_fill(chain, x, _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "value"), out)
         if kwargs.get("alpha", 1) == 1 and len(args) > 1:  # += / add_
