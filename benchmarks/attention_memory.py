@@ -21,12 +21,11 @@ import json
 from pathlib import Path
 
 from remat.api import capture
-from remat.cli import machine
 from remat.default_model import GPTConfig, default_inputs, default_model
+from remat.machine_info import MiB, machine
 from remat.solver import get_solver
 from remat.solver.checkmate import min_feasible_budget
 
-MiB = 2**20
 VARIANTS = [("explicit", "off", 0.0), ("explicit", "exact", 0.0), ("sdpa", "exact", 0.0),
             ("explicit", "exact", 0.1), ("explicit", "all", 0.1)]
 

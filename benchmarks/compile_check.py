@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from remat.cli import machine
-from remat.runtime.kernel_compile import SM90_SHARED_LIMIT, all_variants, compile_variant
+from remat.machine_info import machine
+from kernel_compile import SM90_SHARED_LIMIT, all_variants, compile_variant
 
 
 def main() -> int:

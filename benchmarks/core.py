@@ -22,12 +22,10 @@ from pathlib import Path
 import torch
 
 from remat.api import capture
-from remat.cli import machine
 from remat.default_model import GPTConfig, default_inputs, default_model
+from remat.machine_info import MiB, machine
 from remat.report import format_table, reference_step, run_strategy
 from remat.solver.plan import InfeasibleBudgetError
-
-MiB = 2**20
 
 
 def main() -> int:

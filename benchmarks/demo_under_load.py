@@ -13,13 +13,12 @@ import argparse
 import collections
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
-import torch
+from remat.machine_info import machine
 
 DEMO_ARGS = ["--layers", "2", "--seq", "64", "--batch", "2", "--embd", "64", "--steps", "0"]
 
@@ -66,8 +65,7 @@ def main(argv=None) -> int:
             b.wait()
     crashes = sum(1 for r in results if r[1] != 0)
     plans = collections.Counter(r[3] for r in results if r[1] == 0)
-    lines = [f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-             f"{platform.platform()}",
+    lines = [f"machine: {machine()}",
              f"remat demo {' '.join(DEMO_ARGS + a.demo_args)}: {a.runs} runs with {a.burners} CPU burners",
              f"crashes: {crashes}/{a.runs}; distinct plans: {len(plans)}"]
     lines += [f"  {n:2d}x {plan}" for plan, n in plans.most_common()]

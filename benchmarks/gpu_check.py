@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""GPU check of the fused Triton FlashAttention-2 kernels (runtime/triton_attention.py).
+"""GPU check of the fused Triton FlashAttention-2 kernels (remat.attention: kernels, launch, op).
 
     python benchmarks/gpu_check.py --out DIR [--quick] [--max-seconds 280] [--skip-model]
 
@@ -13,12 +13,13 @@ On a CUDA GPU (sized for an H200, < 5 minutes):
      fused_attention="all" (its explicit attention, dropout included, runs the Triton kernels),
      measured torch.cuda.max_memory_allocated vs the plan's predicted peak.
 Correctness also covers attention dropout: the kernels against an fp32 reference that applies the
-same hashed mask (runtime/attention_dropout.py).
+same hashed mask (attention/dropout_hash.py).
 Writes DIR/gpu_check.json and DIR/gpu_check.txt.  Without CUDA it exits with code 2.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import json
 import math
@@ -33,18 +34,29 @@ EXIT_NO_GPU = 2
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _load_attention_module():
-    """remat.runtime.triton_attention if the package is installed, else the file in this checkout."""
-    try:
-        from remat.runtime import triton_attention as ta  # noqa: F401
+def _register_checkout_packages() -> None:
+    """Make `import remat.attention` load this checkout's attention/ folder, for a GPU machine where
+    the project is copied but not installed: a bare `remat` package (its __init__, which needs the
+    solver's dependencies, is not run) whose path is this checkout's remat/ and root folders."""
+    spec = importlib.machinery.ModuleSpec("remat", None, is_package=True)
+    pkg = importlib.util.module_from_spec(spec)
+    pkg.__path__ = [str(REPO / "remat"), str(REPO)]
+    sys.modules["remat"] = pkg
 
-        return ta
-    except Exception:
-        path = REPO / "runtime" / "triton_attention.py"
-        spec = importlib.util.spec_from_file_location("remat_triton_attention_standalone", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+
+def _load_attention_module():
+    """The fused attention's public functions (remat.attention.op and .launch), from the installed
+    package, else from this checkout."""
+    try:
+        import remat.attention  # noqa: F401
+    except ImportError:
+        _register_checkout_packages()
+    from types import SimpleNamespace
+
+    from remat.attention.launch import use_triton
+    from remat.attention.op import flash_attention
+
+    return SimpleNamespace(flash_attention=flash_attention, use_triton=use_triton)
 
 
 class Report:
@@ -75,7 +87,7 @@ def _dropout_reference(q, k, v, causal, p, seed):
     """softmax attention with the op's hashed dropout mask, in the inputs' dtype (GQA expanded)."""
     import torch
 
-    from remat.runtime.attention_dropout import dropout_keep_mask
+    from remat.attention.dropout_hash import dropout_keep_mask
 
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -257,7 +269,7 @@ def check_default_model(out_dir, time_limit_s: float = 45.0) -> dict:
         if not (hasattr(remat, "optimize") and hasattr(remat, "measure_peak")):
             return {"status": "skipped", "reason": "remat.optimize / remat.measure_peak not available"}
         from remat.default_model import default_inputs, default_model
-        from remat.runtime.attention import route_attention
+        from remat.attention.router import route_attention
 
         model = default_model().cuda()
         inputs = default_inputs(device="cuda")

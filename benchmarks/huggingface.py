@@ -14,7 +14,6 @@ with the same seed ("ok": all allclose(rtol=1e-5, atol=1e-6)). Writes huggingfac
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 import warnings
@@ -25,17 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.hf_models, from the repository root
 
 import remat  # noqa: E402
+from remat.machine_info import MiB, machine  # noqa: E402
 from remat.solver.plan import InfeasibleBudgetError  # noqa: E402
 from tests.hf_models import HF_MODELS, hf_batch, hf_model, hf_step  # noqa: E402
 
-MiB = 2**20
 
-
-def machine() -> str:
+def _transformers() -> str:
     import transformers
 
-    return (f"{platform.machine()}, {torch.get_num_threads()} threads, python {platform.python_version()}, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.platform()}")
+    return f"transformers {transformers.__version__}"
 
 
 def loss_and_grads(module, params, batch, seed: int = 0) -> list[torch.Tensor]:
@@ -121,7 +118,7 @@ def main() -> int:
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warnings.filterwarnings("ignore", message=".*not a single loss")  # the models return loss and logits
-    header = [f"machine: {machine()}",
+    header = [f"machine: {machine(_transformers())}",
               f"models: width {a.width}, {a.layers} layers (T5: {max(1, a.layers // 2)} + {max(1, a.layers // 2)}), "
               f"4 heads, dropout 0.1, batch {a.batch}, sequence {a.seq} with 2 rows padded (ViT: {a.image}x{a.image} "
               f"images, {(a.image // 4) ** 2} patches), labels= so the model computes its loss; solver {a.solver} "

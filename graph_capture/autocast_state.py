@@ -23,15 +23,6 @@ whether autocast is enabled and, if so, its dtype. Not compared: autocast's weig
 (`torch.is_autocast_cache_enabled()`) changes neither values nor the traced graph (tracing runs with
 the cache disabled, and the graph's casts are plain ops at run time), and grad mode does not reach a
 planned call (under no_grad the module runs the model as it is).
-
-`autocast_fusion_reason` says why remat's fused attention must not replace attention traced under
-autocast in "exact" mode: the spelled-out chain under autocast rounds its scores to 16 bits after
-the matmul and again after the scale, runs softmax on them (in 16 bits on CPU, in float32 on CUDA,
-where autocast lists softmax as a float32 op) and rounds the probabilities to 16 bits before `@ v`;
-SDPA under autocast runs its own 16-bit kernel. The fused op keeps scores and probabilities in
-float32 and rounds once, at its output. Its results differ from eager autocast by 16-bit
-roundings (the default GPT's gradients by up to 1e-4 after one step), far beyond the float32
-tolerance (rtol 1e-5, atol 1e-6) that "exact" keeps, so attention stays unfused there.
 """
 from __future__ import annotations
 
@@ -41,23 +32,18 @@ from dataclasses import dataclass
 
 import torch
 
+from remat.compat.torch_private import autocast_supported_devices, backward_without_autocast
+
 __all__ = ["AutocastState", "AutocastMismatchError", "guard_autocast", "backward_traced_as_eager",
-           "autocast_fusion_reason", "step_device_types"]
+           "step_device_types"]
 
 
 class AutocastMismatchError(RuntimeError):
     """A planned step was called under another autocast state than the one it was planned in."""
 
 
-def _supported() -> set[str]:
-    try:
-        return set(torch._C._autocast_supported_devices())
-    except AttributeError:  # older torch: the two device types autocast always had
-        return {"cpu", "cuda"}
-
-
 def _device_state(device_type: str) -> tuple[bool, torch.dtype | None]:
-    if device_type not in _supported() or not torch.is_autocast_enabled(device_type):
+    if device_type not in autocast_supported_devices() or not torch.is_autocast_enabled(device_type):
         return False, None
     return True, torch.get_autocast_dtype(device_type)
 
@@ -138,15 +124,5 @@ def backward_traced_as_eager() -> Iterator[None]:
     backward to 16 bits where eager keeps them in float32 (e.g. SDPA's math path with dropout, which
     runs in float32 inside a bfloat16 step): gradients off by 16-bit roundings. A backward run under
     autocast is refused by `guard_autocast`."""
-    with torch._functorch.config.patch(backward_pass_autocast="off"):
+    with backward_without_autocast():
         yield
-
-
-def autocast_fusion_reason(t: torch.Tensor) -> str | None:
-    """Why attention on `t`'s device, traced now, must stay unfused to keep the model's function
-    (autocast is on there: see the module doc), or None."""
-    enabled, dtype = _device_state(t.device.type) if isinstance(t, torch.Tensor) else (False, None)
-    if not enabled:
-        return None
-    return (f"autocast({t.device.type}, {dtype}) is on: eager autocast rounds the scores and "
-            f"probabilities to {dtype}, the fused op does not (use fused_attention='all' to fuse anyway)")

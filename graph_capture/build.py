@@ -27,6 +27,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
+from remat.compat.torch_private import is_input_mutation_output
+from remat.graph_capture.profiling import storage_bytes as _storage_bytes
 from remat.graph_capture.training_graph import Node, TrainingGraph
 from remat.graph_capture.workspace import OpProbe, probe_ops, tensors_in
 
@@ -49,13 +51,6 @@ class JointGraphInfo:
     groups: dict[str, list[fx.Node]]  # TrainingGraph node name -> its fx nodes, in graph order
     resident_aliases: list[fx.Node]  # views of placeholders, emitted up front by the runtime
     graph: TrainingGraph
-
-
-def _storage_bytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:  # tensors without storage (sparse, some subclasses): use the dense size
-        return t.numel() * t.element_size()
 
 
 def _dropout_scale(scale: float, x: torch.Tensor) -> float:
@@ -137,11 +132,8 @@ def _traffic_bytes(n: fx.Node) -> int:
 
 def _is_mutation(desc) -> bool:
     """Whether an output descriptor of AOTAutograd's joint graph is a mutated input's new value."""
-    try:
-        from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
-    except ImportError:  # a torch without descriptors: count the output as kept (conservative)
-        return False
-    return isinstance(desc, InputMutationAOTOutput)
+    # a torch without output descriptors (None): count the output as kept (conservative)
+    return bool(is_input_mutation_output(desc))
 
 
 def _is_tangent(n: fx.Node) -> bool:
@@ -211,6 +203,7 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
         if len(devices) == 1:
             probed = probe_ops(gm, next(iter(devices)))
 
+    position = {n: i for i, n in enumerate(g.nodes)}
     for n in g.nodes:
         if n.op == "placeholder":
             for t in tensors_in(n.meta.get("val")):
@@ -245,8 +238,9 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
             resident_aliases.append(n)
         elif len(owners) == 1:
             group_of[n] = next(iter(owners))
-        else:  # aliases of several owners (e.g. a list of views); keep the first, conservatively
-            group_of[n] = next(o for o in owners if o is not None)
+        else:  # aliases of several owners (e.g. a list of views); keep the earliest in graph order,
+            # conservatively (by position, not set order: node hashes differ between processes)
+            group_of[n] = min((o for o in owners if o is not None), key=position.__getitem__)
 
     # Tuple-returning allocators: their getitems own no storage of their own; fold them in.
     groups: dict[fx.Node, list[fx.Node]] = {}

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from remat.graph_capture.profiling import storage_bytes
 from remat.graph_capture.workspace import tensors_in
 
 __all__ = ["drop_redundant_clones"]
@@ -63,8 +64,7 @@ def _redundant(c: fx.Node, outputs: set[fx.Node], untouchable: set[StorageWeakRe
     if c in outputs or (xv.shape, xv.stride(), xv.dtype) != (cv.shape, cv.stride(), cv.dtype):
         return False
     # x must cover its whole storage, or reading x would keep a larger base alive than the copy
-    nbytes = xv.untyped_storage().nbytes()
-    if xv.storage_offset() != 0 or nbytes != cv.untyped_storage().nbytes():
+    if xv.storage_offset() != 0 or storage_bytes(xv) != storage_bytes(cv):
         return False
     # x is an intermediate value, and nothing writes to either tensor (or any alias of them)
     return _storage(xv) not in untouchable and _storage(cv) not in untouchable

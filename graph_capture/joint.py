@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
-from torch._functorch.aot_autograd import aot_module_simplified
 
+from remat.compat.torch_private import aot_module_simplified, aot_raw_forward, pytree
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
 
@@ -158,12 +157,8 @@ class CompiledStep:
         self._meta = [_describe(t) for t in tensors]
         self._ties = _ties(tensors)
         self._traced = tensors
-        raw = getattr(forward, "__wrapped__", None)
-        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
-        bound = cells["params_buffers_flat"].cell_contents if "params_buffers_flat" in cells else None
         # only rebind if aot_module_simplified bound exactly what we would pass
-        same = bound is not None and len(bound) == len(tensors) and all(a is b for a, b in zip(bound, tensors))
-        self._raw = raw if callable(raw) and same else None
+        self._raw = aot_raw_forward(forward, tensors)
 
     def _name(self, i: int) -> str:
         return self._names[i].removeprefix("model.")
@@ -221,12 +216,11 @@ def _user_frame(exc: BaseException) -> str:
 
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = os.path.dirname(torch.__file__)
-    import remat
-    import remat.runtime
-    import remat.solver
+    from importlib.util import find_spec
 
-    ours = {os.path.dirname(os.path.abspath(m.__file__)) for m in (remat, remat.runtime, remat.solver)}
-    ours.add(os.path.dirname(os.path.abspath(__file__)))
+    # remat's own folders, found without importing the later stages of the pipeline
+    stages = ("remat", "remat.compat", "remat.attention", "remat.graph_capture", "remat.solver", "remat.runtime")
+    ours = {os.path.dirname(os.path.abspath(find_spec(name).origin)) for name in stages}
     for fr in reversed(frames):
         path = os.path.abspath(fr.filename)
         if path.startswith(torch_dir) or path.startswith("<"):
@@ -243,14 +237,14 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
     """Trace model(*args, **kwargs) + its backward. `partition_fn(joint_gm, joint_inputs,
     num_fwd_outputs=...)` receives the joint graph and returns (forward_gm, backward_gm).
     With `fused_attention` (True/"exact", "all" or False), attention the fused op can take is traced
-    as remat's flash-attention op (see remat.runtime.attention).
+    as remat's flash-attention op (see remat.attention.router).
     Returns the compiled step (a CompiledStep taking the flat tensors) and the signature.
     Raises `error` where the partition function raised PartitionFailed(error), OutputError for an
     output no later call could return, and TraceError for anything else."""
     from remat.graph_capture.autocast_state import (AutocastState, backward_traced_as_eager, guard_autocast,
                                                     step_device_types)
     from remat.graph_capture.hf_compat import traced_as_compiled
-    from remat.runtime.attention import fused_attention_mode, route_attention
+    from remat.attention.router import fused_attention_mode, route_attention
 
     fused_attention_mode(fused_attention)  # bad values are the caller's error, not a trace failure
     kwargs = dict(kwargs or {})

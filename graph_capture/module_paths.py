@@ -7,12 +7,12 @@ that holds its number.
 """
 from __future__ import annotations
 
-import bisect
 from contextlib import contextmanager
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from remat.compat.torch_private import autograd_sequence_nr
 
 __all__ = ["record_module_spans", "annotate_module_paths"]
 
@@ -28,11 +28,11 @@ def record_module_spans(model: nn.Module):
             continue
 
         def pre(m, args, _name=name):
-            starts.setdefault(id(m), []).append(torch._C._autograd._get_sequence_nr())
+            starts.setdefault(id(m), []).append(autograd_sequence_nr())
 
         def post(m, args, out, _name=name):
             s = starts[id(m)].pop()
-            spans.append((s, torch._C._autograd._get_sequence_nr(), _name))
+            spans.append((s, autograd_sequence_nr(), _name))
 
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post))

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+
+from remat.compat.torch_private import pytree
 
 __all__ = ["OutputError", "OutputStructure", "CONSTANT_TYPES"]
 

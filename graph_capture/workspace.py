@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, record_function
-from torch.utils._python_dispatch import _disable_current_modes
 
-from remat.measure import quiet_profile  # the profiler without Kineto's USDT lines on stderr
+from remat.compat.torch_private import disable_current_modes, profiler_events
+from remat.graph_capture.profiling import distinct_storage_bytes, memory_peak, quiet_profile, storage_bytes
 
-__all__ = ["OpProbe", "probe_ops", "probe_workspaces", "tensors_in"]
+__all__ = ["OpProbe", "probe_ops", "tensors_in"]
 
 
 def _real(v, device: torch.device):
@@ -70,20 +70,13 @@ def tensors_in(out) -> list[torch.Tensor]:
 def _storages(out, inputs) -> tuple[int | None, ...]:
     """Real storage bytes of each output tensor; None where it is an input's storage (a view)."""
     held = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
-    return tuple(None if t.untyped_storage().data_ptr() in held else int(t.untyped_storage().nbytes())
+    return tuple(None if t.untyped_storage().data_ptr() in held else storage_bytes(t)
                  for t in tensors_in(out))
 
 
 def _out_bytes(out, inputs) -> int:
     """Bytes of the distinct storages the op's result holds that are not its inputs'."""
-    held = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
-    seen, total = set(), 0
-    for t in tensors_in(out):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in held and ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-    return total
+    return distinct_storage_bytes(tensors_in(out), exclude=tensors_in(inputs))
 
 
 @dataclass
@@ -95,11 +88,6 @@ class OpProbe:
     out_storages: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
 
 
-def probe_workspaces(gm: fx.GraphModule, device: torch.device, min_bytes: int | None = None) -> dict[str, int]:
-    """fx node name -> bytes its op allocates beyond its outputs while it runs."""
-    return probe_ops(gm, device, min_bytes).workspace
-
-
 def probe_ops(gm: fx.GraphModule, device: torch.device, min_bytes: int | None = None) -> OpProbe:
     """Run every distinct op signature of `gm` once on `device`. Workspaces under `min_bytes`
     count as 0: by default none on CPU, where the profiler counts every byte exactly and the
@@ -108,7 +96,7 @@ def probe_ops(gm: fx.GraphModule, device: torch.device, min_bytes: int | None = 
     if min_bytes is None:
         min_bytes = 0 if device.type == "cpu" else 4096
     # AOTAutograd calls the partitioner with its fake-tensor mode active: step outside it
-    with _disable_current_modes():
+    with disable_current_modes():
         return _probe(gm, device, min_bytes)
 
 
@@ -162,21 +150,13 @@ def _probe(gm: fx.GraphModule, device: torch.device, min_bytes: int) -> OpProbe:
             inputs = (args, list(kwargs.values()))
             outs.append((_out_bytes(out, inputs), _storages(out, inputs)))
             del out  # outside the range: its free is not part of the op
-    events = list(prof.profiler.kineto_results.events())
+    events = profiler_events(prof)
     ranges = {}
     for e in events:
         if e.name().startswith("remat_probe_"):
             ranges[int(e.name().rsplit("_", 1)[1])] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    mem = sorted((e.start_ns(), e.nbytes()) for e in events
-                 if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     for i, (nodes, _, _) in enumerate(cases):
         if outs[i] is None or i not in ranges:
             continue
-        lo, hi = ranges[i]
-        live = peak = 0
-        for t, b in mem:
-            if lo <= t <= hi:
-                live += b
-                peak = max(peak, live)
-        record(nodes, peak - outs[i][0], outs[i][1])
+        record(nodes, memory_peak(events, *ranges[i]) - outs[i][0], outs[i][1])
     return result

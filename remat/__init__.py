@@ -1,8 +1,8 @@
 """remat: optimal activation checkpointing for PyTorch."""
 import os as _os
 
-# The subpackages live at the repository root (graph_capture/, solver/, runtime/) and are
-# installed as remat.graph_capture, remat.solver, remat.runtime. When remat is imported from a
+# The subpackages live at the repository root (attention/, graph_capture/, solver/, runtime/) and
+# are installed as remat.attention, remat.graph_capture, remat.solver, remat.runtime. When remat is imported from a
 # source checkout (e.g. pytest run from the root), let it find them beside this folder.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_root, "graph_capture", "__init__.py")) and _root not in __path__:

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._functorch.partitioners import default_partition
 
+from remat.compat.torch_private import default_partition
 from remat.graph_capture.build import JointGraphInfo, build_training_graph, split_dropout_outputs
 from remat.graph_capture.clones import drop_redundant_clones
 from remat.graph_capture.joint import PartitionFailed, TraceError, trace_training_step

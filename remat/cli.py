@@ -9,7 +9,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Iterator
@@ -18,14 +17,13 @@ from contextlib import contextmanager
 import torch
 
 from remat.default_model import GPTConfig, default_inputs, default_model
+from remat.machine_info import MiB, machine
 from remat.report import format_table, reference_step, run_strategy
 from remat.solver import STRATEGIES
 from remat.solver.plan import InfeasibleBudgetError, PlanFileError
 from remat.validate import RematArgumentError
 
 __all__ = ["main"]
-
-MiB = 2**20
 
 
 class _Parser(argparse.ArgumentParser):
@@ -147,10 +145,6 @@ def _limit_text(limit: float | None) -> str:
     return "deterministic work limits" if limit is None else f"time limit {limit:g} s"
 
 
-def machine() -> str:
-    return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {platform.platform()}"
-
-
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -266,6 +260,7 @@ def _parser() -> _Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `remat demo` or `remat plan` with `argv` (None: sys.argv); returns the exit code."""
     a = _parser().parse_args(argv)
     _check_model_args(a.parser, a)
     try:

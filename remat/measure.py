@@ -1,36 +1,26 @@
 """Measuring what a training step really does: peak memory and FLOPs."""
 from __future__ import annotations
 
-import os
-import re
-import sys
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from remat.compat.torch_private import profiler_events
+# quiet_profile is re-exported: the profiler without Kineto's USDT lines on stderr
+from remat.graph_capture.profiling import distinct_storage_bytes, memory_peak, quiet_profile
+
 __all__ = ["measure_peak", "resident_bytes", "count_flops", "quiet_profile"]
 
 
 def resident_bytes(things: Iterable) -> int:
     """Bytes of the distinct storages of the given tensors and modules' parameters and buffers."""
-    seen: set[int] = set()
-    total = 0
+    tensors = []
     for x in things:
-        tensors = list(x.parameters()) + list(x.buffers()) if isinstance(x, nn.Module) else [x]
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
-            s = t.untyped_storage()
-            if s.data_ptr() in seen:
-                continue
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
+        tensors += list(x.parameters()) + list(x.buffers()) if isinstance(x, nn.Module) else [x]
+    return distinct_storage_bytes(t for t in tensors if isinstance(t, torch.Tensor))
 
 
 def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str | torch.device | None = None) -> int:
@@ -52,72 +42,7 @@ def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str 
 
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        if e.device_type() != torch.autograd.DeviceType.CPU:
-            continue
-        live += e.nbytes()
-        peak = max(peak, live)
-    return resident_bytes(resident) + peak
-
-
-# Kineto (the profiler's C++ side) writes these two lines to fd 2 at every start and stop, whatever
-# KINETO_LOG_LEVEL says short of also hiding its errors:
-#   USDT:2026-11-30 03:14:35 4681:4681 SyncActivityProfilerHandler.cpp:52] profiler_start
-_USDT_LINE = re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$")
-
-
-@contextmanager
-def _without_usdt_lines() -> Iterator[None]:
-    """Run the body with fd 2 sent to a temporary file, then write back to fd 2 every line except
-    Kineto's USDT start/stop markers: warnings and errors printed meanwhile stay visible."""
-    saved = None
-    try:
-        if sys.stderr is not None:
-            sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no usable fd 2 (closed): nothing to filter
-        pass
-    if saved is None:
-        yield
-        return
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            try:
-                if sys.stderr is not None:
-                    sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            lines = tmp.read().decode("utf-8", "replace").splitlines(keepends=True)
-            kept = "".join(line for line in lines if not _USDT_LINE.match(line))
-            data = kept.encode("utf-8")
-            while data:  # os.write may write less than asked
-                data = data[os.write(2, data):]
-
-
-@contextmanager
-def quiet_profile(**kwargs) -> Iterator["torch.profiler.profile"]:
-    """`torch.profiler.profile(**kwargs)` without the "USDT ... profiler_start/stop" lines Kineto
-    prints on stderr when it starts and stops. Only the start and the stop are filtered, not the
-    code profiled, and every other line is passed through."""
-    from torch.profiler import profile
-
-    prof = profile(**kwargs)
-    with _without_usdt_lines():
-        prof.__enter__()
-    try:
-        yield prof
-    finally:
-        with _without_usdt_lines():
-            prof.__exit__(None, None, None)
+    return resident_bytes(resident) + memory_peak(profiler_events(prof))
 
 
 class _FlopCounter(TorchDispatchMode):

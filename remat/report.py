@@ -11,17 +11,18 @@ import torch
 import torch.nn as nn
 
 from remat.api import optimize
+from remat.attention.router import fused_attention_mode, route_attention
+from remat.machine_info import MiB
 from remat.measure import count_flops, measure_peak
-from remat.runtime.attention import fused_attention_mode, route_attention
 from remat.solver.plan import Plan
 
 __all__ = ["StrategyRow", "training_step", "run_strategy", "format_table", "reference_step"]
 
-MiB = 2**20
-
 
 @dataclass
 class StrategyRow:
+    """One strategy run for real: its plan's predictions beside what a real step measured."""
+
     strategy: str
     budget_bytes: int | None
     status: str
@@ -109,11 +110,9 @@ def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes
                  device: str | torch.device | None = None, fused_attention: bool | str = True) -> StrategyRow:
     """Optimize `model` with `strategy` under `budget_bytes` (None: no budget, keep_all only),
     then measure a real step: peak memory, FLOPs, time and gradients against `reference`."""
-    t0 = time.perf_counter()
     opt = optimize(model, budget_bytes=budget_bytes if budget_bytes is not None else 2**62,
                    example_inputs=tuple(inputs), solver=strategy, time_limit_s=time_limit_s, plan=plan,
                    fused_attention=fused_attention)
-    solve_wall = time.perf_counter() - t0
     params = list(model.parameters())
     step = training_step(opt, params, inputs)
     step.fresh()
@@ -144,6 +143,8 @@ def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes
 
 
 def format_table(rows: Sequence[StrategyRow], keep_all_peak: int | None = None) -> str:
+    """The rows as a fixed-width text table, sizes in MiB (with keep_all_peak: each measured peak
+    as a fraction of it too)."""
     head = (f"{'strategy':<14} {'budget MiB':>10} {'status':<10} {'pred MiB':>9} {'meas MiB':>9} "
             f"{'meas/pred':>9} {'meas/keep':>9} {'extra':>7} {'xFLOP pred':>11} {'xFLOP meas':>11} "
             f"{'solve s':>8} {'grads':>6}")

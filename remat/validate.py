@@ -101,7 +101,7 @@ def _solver(solver: Any, solver_kwargs: dict) -> None:
 
 
 def _fused_attention(fused_attention: Any) -> None:
-    from remat.runtime.attention import fused_attention_mode
+    from remat.attention.router import fused_attention_mode
 
     try:
         fused_attention_mode(fused_attention)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
+from remat.compat.torch_private import extract_fwd_bwd_modules
 from remat.graph_capture.build import JointGraphInfo
 from remat.solver.plan import Plan
 
@@ -72,7 +72,9 @@ def scheduled_joint_graph(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphMod
 
 
 def partition_with_plan(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's (forward, backward) modules for the joint graph laid out in `plan`'s order:
+    what the forward computes and the backward reads is saved, recomputations run as node copies."""
     gm, saved = scheduled_joint_graph(info, plan)
     saved_tensors = [n for n in saved if isinstance(n.meta.get("val"), torch.Tensor)]
     saved_syms = [n for n in saved if not isinstance(n.meta.get("val"), torch.Tensor)]
-    return _extract_fwd_bwd_modules(gm, saved_tensors, saved_syms, num_fwd_outputs=info.num_fwd_outputs)
+    return extract_fwd_bwd_modules(gm, saved_tensors, saved_syms, num_fwd_outputs=info.num_fwd_outputs)

@@ -30,6 +30,8 @@ def checkpoint_candidates(graph: TrainingGraph) -> list[str]:
 
 
 def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) -> Plan:
+    """The cheapest plan over every k (keep every k-th candidate) that fits `budget_bytes`; when
+    none fits, the lowest-peak one, with status "infeasible"."""
     t0 = time.perf_counter()
     cands = checkpoint_candidates(graph)
     best: Plan | None = None  # cheapest that fits

@@ -34,6 +34,9 @@ class PlanFileNotFoundError(PlanFileError, FileNotFoundError):
 
 @dataclass
 class Plan:
+    """A strategy's answer: the schedule to run and what the simulator predicts for it (saved and
+    loaded as JSON; tied to its graph by the graph's fingerprint)."""
+
     strategy: str  # "checkmate", "keep_all", "equal_spacing", ...
     budget_bytes: int | None  # what it was asked to fit (None: no budget)
     schedule: list[str]  # flat execution order over the graph's nodes; repeats are recomputations

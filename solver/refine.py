@@ -18,8 +18,13 @@ __all__ = ["prune_unread", "drop_recomputations"]
 
 
 def prune_unread(graph: TrainingGraph, schedule: list[str]) -> list[str]:
-    """Remove instances no step reads while another instance of the same node exists (the first
-    one included: the runtime drops a dead first instance as dead code), until none is left."""
+    """Remove every computation whose instance no step reads while another instance of the same
+    node remains, until none is left: each removal lowers the cost and never raises the peak, and
+    the runtime drops such an instance as dead code, so the plan must not count it. The first
+    instance goes too when a later one exists (Checkmate's frontier-advancing stages compute node t
+    in stage t even when it is recomputed before anyone reads it; the min-peak MILP, which does not
+    price compute, leaves many such), and so does a last one nothing reads. The one pruning used
+    everywhere: solver/checkmate_stages.py on the MILP's schedules, and drop_recomputations here."""
     sched = list(schedule)
     while True:
         frees = last_reads(graph, sched)
@@ -39,6 +44,10 @@ def prune_unread(graph: TrainingGraph, schedule: list[str]) -> list[str]:
 
 def drop_recomputations(graph: TrainingGraph, schedule: list[str], budget_bytes: int,
                         passes: int = 2) -> list[str]:
+    """`schedule` with, most expensive first, every recomputation whose removal keeps the fine
+    simulated peak within `budget_bytes` removed (`passes` rounds), and unread instances pruned
+    (prune_unread) before and after each round. Cost only goes down; the peak stays in the budget
+    (if `schedule`'s did)."""
     sched = prune_unread(graph, schedule)
     for _ in range(passes):
         seen: set[str] = set()

@@ -21,6 +21,8 @@ def keep_all_schedule(graph: TrainingGraph) -> list[str]:
 
 
 def schedule_from_kept(graph: TrainingGraph, kept: Iterable[str]) -> list[str]:
+    """The schedule that keeps the forward values `kept` (plus every non-recomputable one) for the
+    backward and recomputes any other one right before the first backward node that needs it."""
     kept = set(kept) | {n.name for n in graph.forward_nodes if not n.recomputable}
     schedule = [n.name for n in graph.forward_nodes]
     # forward values available in the backward: kept ones, plus recomputed instances

@@ -32,6 +32,8 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class SimResult:
+    """What replaying a schedule gives: its peak, its cost and FLOPs, and memory at every step."""
+
     peak_bytes: int  # the step's peak, resident memory included
     peak_step: int  # index into the schedule where the peak happens
     total_cost: float  # sum of the costs of every step, recomputations included
@@ -119,7 +121,6 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
         raise ScheduleError(f"schedule names nodes not in the graph: {unknown[:5]}")
     frees = last_reads(graph, schedule)
     live: dict[str, dict[int, int]] = {}  # name -> {part: bytes} of its current instance
-    kept = 0
     end = forward_end(graph, schedule)
     tangent_bytes = sum(b for b, _ in graph.tangents) if end is not None else 0
     releases = _releases(graph, schedule, end)
@@ -145,8 +146,7 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
         timeline.append(now)
         if now > peak:
             peak, peak_step = now, s
-        mem += v.out_bytes + v.kept_bytes
-        kept += v.kept_bytes
+        mem += v.out_bytes + v.kept_bytes  # kept bytes leave only with `releases` (forward_kept)
         live[name] = {k: b for k, (b, _) in enumerate(_parts(v))}
         computed.add(name)
         total_cost += v.cost

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import remat
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.report import reference_step, run_strategy
-from remat.runtime.attention import route_attention
+from remat.attention.router import route_attention
 from remat.solver import get_solver
 
 CFG = dict(vocab_size=128, block_size=128, n_layer=2, n_head=4, n_embd=64, batch_size=2, attn_dropout=0.0)

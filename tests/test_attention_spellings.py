@@ -11,12 +11,21 @@ softmax (`dim=-1`/`dim=3`, `F.softmax`, `torch.softmax`, the method, `dtype=floa
 and cast back), grouped-query attention via `repeat_interleave`, and dropout p=0 or p>0 with the
 model in train mode.
 
-Each spelling is compared, with the same seed before each step, against the model's own eager step:
-* `test_routed_spelling_matches_eager` (200 examples): the step run eagerly inside
-  `route_attention(model=...)`, the tracker and router code the capture uses, on real tensors;
-* `test_optimized_spelling_matches_eager` (fewer examples: each one traces a joint graph, ~1 s):
-  `remat.optimize(..., solver="keep_all")`, the real module.
-Both also check that a spelling is fused exactly when it is expected to be: the plain and in-place
+Half the draws vary everything, half only what a fusable spelling may vary (uniform draws are fusable
+fewer than 1 time in 10). Each spelling is compared, with the same seed before each step (dropout masks
+are drawn in block order in both), against the model's own eager step:
+* `test_routed_spelling_matches_eager` (210 drawn spellings + 4 explicit, one block each): the step run
+  eagerly inside `route_attention(model=...)`, the tracker and router code the capture uses, on real
+  tensors;
+* `test_optimized_spellings_match_eager` (35 drawn stacks of 6 spellings, all distinct within a stack, +
+  one stack of the 7 explicit spellings + plain nanoGPT alone: 218 spellings in 37 `remat.optimize(...,
+  solver="keep_all")` calls, the real module). Each `optimize` call traces a joint graph (~0.15 s a
+  block), so one model stacks 6 residual blocks, each spelled its own way: fused and unfused blocks
+  mixed in one graph, the loss and every parameter's gradient compared, and each block's fused ops
+  found by the module path the capture records. A failure names the differing blocks and their
+  spellings, then runs each spelling alone to give the smallest reproducer (no hypothesis shrinking:
+  every try would trace a stack).
+Both also check that each spelling is fused exactly when it is expected to be: the plain and in-place
 nanoGPT spellings must be fused (the in-place guard must not simply switch fusion off), a learned bias,
 dropout p>0 (the default "exact" mode), a 0-d tensor scale and bmm/einsum must not.
 
@@ -24,6 +33,7 @@ Tolerance rtol=1e-5/atol=1e-6: the fused op sums in another order (fp32 rounding
 spelling whose meaning changed (a lost scale, mask or bias) is off by 1e-3 or more.
 """
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -31,15 +41,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
-from remat.runtime.attention import route_attention
+from remat.attention.router import route_attention
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed: property tests skipped")
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 B, H, T, D, V = 2, 2, 8, 8, 16
 C = H * D
 RTOL, ATOL = 1e-5, 1e-6
+BLOCKS, STACKS = 6, 35  # the optimized test: 35 drawn stacks of 6 spellings each
 
 SCALES = ["div", "mul", "rmul", "idiv", "imul", "div_", "mul_", "q_prescale", "tensor"]
 MATMULS = ["@", "matmul", "bmm", "einsum"]
@@ -50,11 +61,25 @@ MASKS = ["none", "fill_bool_buffer", "fill_float_buffer_eq0", "fill_tril_forward
 BIASES = ["none", "before_mask", "before_mask_inplace", "after_mask"]
 SOFTMAXES = ["F-1", "F3", "torch", "method", "F_dtype32", "upcast_and_back"]
 
-spellings = st.fixed_dictionaries({
+_any_spelling = st.fixed_dictionaries({
     "scale": st.sampled_from(SCALES), "matmul": st.sampled_from(MATMULS),
     "transpose": st.sampled_from(TRANSPOSES), "mask": st.sampled_from(MASKS), "bias": st.sampled_from(BIASES),
     "softmax": st.sampled_from(SOFTMAXES), "gqa": st.booleans(), "dropout": st.sampled_from([0.0, 0.0, 0.3]),
 })
+# drawn uniformly, fewer than 1 in 10 spellings is one the matcher can fuse: half the draws vary only
+# what the fused spellings may vary (see expect_fused), so that both paths are well covered
+_fusable_spelling = st.fixed_dictionaries({
+    "scale": st.sampled_from([s for s in SCALES if s != "tensor"]), "matmul": st.sampled_from(["@", "matmul"]),
+    "transpose": st.sampled_from(TRANSPOSES), "mask": st.sampled_from(MASKS), "bias": st.just("none"),
+    "softmax": st.sampled_from(SOFTMAXES), "gqa": st.booleans(), "dropout": st.just(0.0),
+})
+spellings = st.one_of(_any_spelling, _fusable_spelling)
+
+
+def _key(s: dict) -> tuple:
+    """Hashable: the blocks of one stack are drawn distinct."""
+    return tuple(sorted(s.items()))
+
 
 NANOGPT = dict(scale="mul", matmul="@", transpose="transpose(-2,-1)", mask="fill_float_buffer_eq0", bias="none",
                softmax="F-1", gqa=False, dropout=0.0)
@@ -73,14 +98,13 @@ def expect_fused(s: dict) -> bool:
 
 
 class SpelledAttention(nn.Module):
-    """Embedding -> one causal self-attention spelled as `s` says -> linear head -> cross entropy."""
+    """One causal self-attention block spelled as `s` says: x (B, T, C) -> its projected output."""
 
     def __init__(self, s: dict):
         super().__init__()
         self.s = s
         kv = 1 if s["gqa"] else H
-        self.emb, self.q, self.kv = nn.Embedding(V, C), nn.Linear(C, C), nn.Linear(C, 2 * kv * D)
-        self.proj, self.head = nn.Linear(C, C), nn.Linear(C, V)
+        self.q, self.kv, self.proj = nn.Linear(C, C), nn.Linear(C, 2 * kv * D), nn.Linear(C, C)
         self.drop = nn.Dropout(s["dropout"])
         if s["bias"] != "none":
             self.rel_bias = nn.Parameter(0.5 * torch.randn(H, T, T))
@@ -159,9 +183,8 @@ class SpelledAttention(nn.Module):
             return F.softmax(att, dim=-1, dtype=torch.float32).to(dtype)
         return F.softmax(att.float(), dim=-1).to(dtype)
 
-    def forward(self, idx, targets):
-        s, b = self.s, idx.shape[0]
-        x = self.emb(idx)
+    def forward(self, x):
+        s, b = self.s, x.shape[0]
         kv = 1 if s["gqa"] else H
         q = self.q(x).view(b, T, H, D).transpose(1, 2)
         k, v = (t.reshape(b, T, kv, D).transpose(1, 2) for t in self.kv(x).split(kv * D, dim=2))
@@ -188,7 +211,24 @@ class SpelledAttention(nn.Module):
             att = self._bias(att)
         att = self.drop(self._softmax(att, q.dtype))
         y = (att @ v).transpose(1, 2).reshape(b, T, C)
-        return F.cross_entropy(self.head(self.proj(y)).view(-1, V), targets.view(-1))
+        return self.proj(y)
+
+
+class SpelledModel(nn.Module):
+    """Embedding -> a residual stack of attention blocks, block i spelled as `specs[i]` says -> linear
+    head -> cross entropy. One spelling: the classic single-block model."""
+
+    def __init__(self, specs: list[dict]):
+        super().__init__()
+        self.specs = list(specs)
+        self.emb, self.head = nn.Embedding(V, C), nn.Linear(C, V)
+        self.blocks = nn.ModuleList(SpelledAttention(s) for s in self.specs)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        return F.cross_entropy(self.head(x).view(-1, V), targets.view(-1))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -201,15 +241,16 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _model_and_inputs(s: dict):
+def _model_and_inputs(specs: list[dict]):
     torch.manual_seed(0)
-    model = SpelledAttention(s).train()
+    model = SpelledModel(specs).train()
     idx, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
     return model, (idx, targets)
 
 
 def _step(fn, model, inputs):
-    """loss and parameter gradients of one step of `fn`, seeded as the reference is."""
+    """loss and parameter gradients of one step of `fn`, seeded as the reference is (dropout blocks
+    draw their masks in block order, eagerly and in the optimized step alike)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
     loss = fn(*inputs)
@@ -219,12 +260,39 @@ def _step(fn, model, inputs):
     return loss.detach(), grads
 
 
-def _assert_same(s, got, expect):
+def _block_of(name: str) -> int | None:
+    """blocks.3.q.weight -> 3; the embedding and the head belong to no block."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blocks" else None
+
+
+def _fmt(s: dict) -> str:
+    """A spelling as the code that writes it: dict(scale='div', matmul='@', ...)."""
+    return "dict(" + ", ".join(f"{k}={s[k]!r}" for k in ("scale", "matmul", "transpose", "mask", "bias",
+                                                           "softmax", "gqa", "dropout")) + ")"
+
+
+def _mismatches(model, got, expect) -> list[str]:
+    """What differs between two steps of `model`: the loss, then the gradients block by block, each
+    block named with its spelling."""
     (loss, grads), (ref_loss, ref_grads) = got, expect
-    assert torch.allclose(loss, ref_loss, rtol=RTOL, atol=ATOL), (s, loss.item(), ref_loss.item())
-    for (name, _), g, r in zip(SpelledAttention(s).named_parameters(), grads, ref_grads):
-        assert g is not None and r is not None, (s, name)
-        assert torch.allclose(g, r, rtol=RTOL, atol=ATOL), (s, name, (g - r).abs().max().item())
+    wrong = []
+    if not torch.allclose(loss, ref_loss, rtol=RTOL, atol=ATOL):
+        wrong.append(f"loss {loss.item()!r} != eager {ref_loss.item()!r}")
+    by_block: dict[int | None, list[str]] = {}
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+        if g is None or r is None:
+            what = f"{name}: no gradient (optimized {g is not None}, eager {r is not None})"
+        elif not torch.allclose(g, r, rtol=RTOL, atol=ATOL):
+            what = f"{name} off by {(g - r).abs().max().item():.3g}"
+        else:
+            continue
+        i = _block_of(name)
+        by_block.setdefault(i, []).append(what if i is None else what.split(".", 2)[2])  # blocks.3.q.weight
+    for i, whats in by_block.items():
+        wrong.append(f"{'outside the blocks' if i is None else f'block {i} {_fmt(model.specs[i])}'}: "
+                     f"gradients {', '.join(whats)}")
+    return wrong
 
 
 def _routed(model):
@@ -237,37 +305,72 @@ def _routed(model):
     return run, routers
 
 
+def _optimized_failures(specs: list[dict]) -> list[str]:
+    """Run the stack `specs` eagerly and through `remat.optimize(..., solver="keep_all")` with the same
+    seed; what differs: a block fused when it should not be (or not fused when it should), the loss,
+    a parameter's gradient."""
+    model, inputs = _model_and_inputs(specs)
+    expect = _step(model, model, inputs)
+    opt = remat.optimize(model, budget_bytes=2**40, example_inputs=inputs, solver="keep_all")
+    # the fused forward and backward ops, attributed to their block by the capture's module paths
+    fused = Counter(n.module_path for n in opt.graph.nodes if n.op.startswith("flash_attention"))
+    wrong = []
+    for i, s in enumerate(specs):
+        want, got = 2 if expect_fused(s) else 0, fused.pop(f"blocks.{i}", 0)
+        if got != want:
+            wrong.append(f"block {i} {_fmt(s)}: {got} fused attention op(s), expected {want}")
+    wrong += [f"{n} fused attention op(s) outside any block, at {path!r}" for path, n in fused.items()]
+    if wrong:  # for the message: what the router left unfused, and why
+        run, routers = _routed(model)
+        run(*inputs)
+        wrong.append(f"the router, run eagerly, passed: {routers[0].passed}")
+    return wrong + _mismatches(model, _step(opt, model, inputs), expect)
+
+
+def _check_optimized(specs: list[dict]) -> None:
+    wrong = _optimized_failures(specs)
+    if not wrong:
+        return
+    lines = [f"the stack of {len(specs)} spelling(s) differs from eager:", *wrong]
+    if len(specs) > 1:
+        # point at the culprit: each spelling alone (a wrong forward in block i changes the loss and every
+        # gradient, a wrong backward the gradients of blocks 0..i only)
+        alone = [i for i, s in enumerate(specs) if _optimized_failures([s])]
+        lines += ([f"block {i} also fails alone: reproduce with _check_optimized([{_fmt(specs[i])}])"
+                   for i in alone] or
+                  [f"no spelling fails alone: reproduce with _check_optimized([{', '.join(map(_fmt, specs))}])"])
+    raise AssertionError("\n  ".join(lines))
+
+
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
 
 
-@settings(max_examples=200, **SETTINGS)
+@settings(max_examples=210, **SETTINGS)
 @given(s=spellings)
 @example(s=NANOGPT)
 @example(s=NANOGPT_INPLACE)
 @example(s=NANOGPT_INPLACE_ADD)
 @example(s=HF_EAGER)
 def test_routed_spelling_matches_eager(s):
-    model, inputs = _model_and_inputs(s)
+    model, inputs = _model_and_inputs([s])
     expect = _step(model, model, inputs)
     run, routers = _routed(model)
     got = _step(run, model, inputs)
-    _assert_same(s, got, expect)
+    wrong = _mismatches(model, got, expect)
+    assert not wrong, (s, wrong)
     assert routers[0].routed == int(expect_fused(s)), (s, routers[0].passed)
 
 
-@settings(max_examples=40, **SETTINGS)
-@given(s=spellings)
-@example(s=NANOGPT)
-@example(s=NANOGPT_INPLACE)
-@example(s=NANOGPT_INPLACE_ADD)
-@example(s=HF_EAGER)
-@example(s=dict(NANOGPT, bias="before_mask_inplace"))
-@example(s=dict(NANOGPT, mask="where_hf_0d", transpose="mT", softmax="upcast_and_back"))
-@example(s=dict(NANOGPT, mask="fill_tril_forward", scale="div_", gqa=True))
-def test_optimized_spelling_matches_eager(s):
-    model, inputs = _model_and_inputs(s)
-    expect = _step(model, model, inputs)
-    opt = remat.optimize(model, budget_bytes=2**40, example_inputs=inputs, solver="keep_all")
-    flash = [n for n in opt.graph.nodes if n.op.startswith("flash_attention")]
-    assert len(flash) == (2 if expect_fused(s) else 0), s  # the forward and the backward op
-    _assert_same(s, _step(opt, model, inputs), expect)
+EXPLICIT = [NANOGPT, NANOGPT_INPLACE, NANOGPT_INPLACE_ADD, HF_EAGER, dict(NANOGPT, bias="before_mask_inplace"),
+            dict(NANOGPT, mask="where_hf_0d", transpose="mT", softmax="upcast_and_back"),
+            dict(NANOGPT, mask="fill_tril_forward", scale="div_", gqa=True)]
+
+
+@settings(max_examples=STACKS, phases=(Phase.explicit, Phase.generate), **SETTINGS)
+@given(specs=st.lists(spellings, min_size=BLOCKS, max_size=BLOCKS, unique_by=_key))
+@example(specs=[NANOGPT])
+@example(specs=EXPLICIT)
+def test_optimized_spellings_match_eager(specs):
+    """BLOCKS spellings per `remat.optimize` call: one residual stack, each block spelled its own way.
+    No shrinking (each try traces a stack): a failure names the blocks and re-runs each spelling alone."""
+    _check_optimized(specs)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import remat
 from remat import AutocastMismatchError
-from remat.runtime.attention import route_attention
+from remat.attention.router import route_attention
 from remat.solver import get_solver
 from tests.models import small_gpt
 

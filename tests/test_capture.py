@@ -1,4 +1,6 @@
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import remat
 from remat.graph_capture import TrainingGraph
@@ -6,21 +8,69 @@ from remat.measure import count_flops, resident_bytes
 from tests.models import DataDependent, KwargsNet, small_gpt
 
 
+class TinyMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x, t):
+        return F.mse_loss(self.fc2(torch.relu(self.fc1(x))), t)
+
+
+def test_capture_tiny_mlp_node_by_node():
+    """Every node of a model small enough to write down: one per allocation, forward then backward,
+    its inputs, and bytes equal to the real tensors' (activations, gradients kept to the end)."""
+    torch.manual_seed(0)
+    model, x, t = TinyMLP(), torch.randn(32, 8), torch.randn(32, 4)
+    g = remat.capture(model, (x, t))
+    f4 = 4  # bytes per float32
+    loss = F.mse_loss(model.fc2(torch.relu(model.fc1(x))), t)  # CPU: a view of the elementwise buffer
+    expected = [  # name, op, inputs, out_bytes, kept_bytes, is_backward, module_path
+        ("addmm", "addmm.default", (), 32 * 16 * f4, 0, False, "fc1"),
+        ("relu", "relu.default", ("addmm",), 32 * 16 * f4, 0, False, ""),
+        ("addmm_1", "addmm.default", ("relu",), 32 * 4 * f4, 0, False, "fc2"),
+        ("mse_loss", "mse_loss.default", ("addmm_1",), 0, loss.untyped_storage().nbytes(), False, ""),
+        ("mse_loss_backward", "mse_loss_backward.default", ("addmm_1",), 32 * 4 * f4, 0, True, ""),
+        ("mm", "mm.default", ("mse_loss_backward",), 32 * 16 * f4, 0, True, "fc2"),  # grad of relu's output
+        ("mm_1", "mm.default", ("mse_loss_backward", "relu"), 0, model.fc2.weight.nbytes, True, "fc2"),
+        ("sum_1", "sum.dim_IntList", ("mse_loss_backward",), 0, model.fc2.bias.nbytes, True, "fc2"),
+        ("threshold_backward", "threshold_backward.default", ("mm", "relu"), 32 * 16 * f4, 0, True, ""),
+        ("mm_2", "mm.default", ("threshold_backward",), 0, model.fc1.weight.nbytes, True, "fc1"),
+        ("sum_2", "sum.dim_IntList", ("threshold_backward",), 0, model.fc1.bias.nbytes, True, "fc1"),
+    ]
+    got = [(n.name, n.op, n.inputs, n.out_bytes, n.kept_bytes, n.is_backward, n.module_path) for n in g.nodes]
+    assert got == expected
+    assert [n.name for n in g.forward_nodes] == [e[0] for e in expected[:4]]
+    # the model, its inputs and the loss's seed gradient (4 bytes, from the start of the backward)
+    assert g.tangents == ((f4, ()),)
+    assert g.resident_bytes == resident_bytes([model, x, t]) + f4
+
+
 def test_capture_gpt_structure():
     model, inputs = small_gpt()
     g = remat.capture(model, inputs)
     fwd, bwd = g.forward_nodes, g.backward_nodes
-    assert len(fwd) > 20 and len(bwd) > 20
-    # a topological order with the whole forward first
-    assert [n.is_backward for n in g.nodes] == sorted(n.is_backward for n in g.nodes)
-    # parameters, buffers, inputs (and the scalar loss tangent) are resident
-    expected = resident_bytes([model, *inputs])
-    assert expected <= g.resident_bytes <= expected + 16
+    # a topological order with the whole forward first, ending with the loss
+    assert [n.is_backward for n in g.nodes] == [False] * len(fwd) + [True] * len(bwd)
+    assert fwd[-1].op == "nll_loss_forward.default" and bwd[0].op == "nll_loss_backward.default"
+    # the two blocks are the same code: the same nodes in the same order, forward and backward
+    # (ln_1, attention, ln_2, MLP: 28 forward and 29 backward nodes each)
+    def block(i, backward):
+        return [n.op for n in g.nodes if f"{n.module_path}.".startswith(f"h.{i}.") and n.is_backward == backward]
+    for backward, count in ((False, 28), (True, 29)):
+        assert block(0, backward) == block(1, backward) and len(block(0, backward)) == count
+    # outside the blocks: embeddings, dropout, ln_f, lm_head, loss; 138 nodes in all
+    assert (len(fwd), len(bwd)) == (67, 71)
+    # parameters, buffers, inputs and the scalar loss's seed gradient are resident
+    assert g.tangents == ((4, ()),)
+    assert g.resident_bytes == resident_bytes([model, *inputs]) + 4
     # views allocate nothing, so none of them is a node of its own
     assert not any(n.op in ("view.default", "t.default", "transpose.int", "expand.default") for n in g.nodes)
-    # the gradients of all parameters are kept outputs of the backward
+    # kept to the end of the step: the loss, and in the backward exactly the parameters' gradients
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert sum(n.kept_bytes for n in bwd) >= param_bytes
+    assert [(n.name, n.kept_bytes) for n in fwd if n.kept_bytes] == [(fwd[-1].name, 4)]
+    assert sum(n.kept_bytes for n in bwd) == param_bytes
     assert all(n.cost > 0 for n in g.nodes)
 
 
@@ -28,12 +78,13 @@ def test_capture_marks_dropout_masks_random_and_small():
     model, inputs = small_gpt()
     g = remat.capture(model, inputs)
     random = [n for n in g.nodes if n.is_random]
-    assert random and all(n.op.startswith("native_dropout") for n in random)
-    assert all(not n.recomputable for n in random)
-    # the mask is bool: 1 byte per element of the (B, T, C) residual stream or (B, h, T, T) probs
+    assert all(n.op == "native_dropout.default" and not n.recomputable for n in random)
+    # one mask per dropout call of the step, bool: 1 byte per element. The embeddings' dropout and
+    # each block's residual and MLP dropouts on the (B, T, C) stream, each block's attention
+    # dropout on the (B, heads, T, T) probabilities
     B, T = inputs[0].shape
-    sizes = {n.out_bytes for n in random}
-    assert sizes <= {B * T * 64, B * 4 * T * T}
+    C, heads, layers = 64, 4, 2
+    assert sorted(n.out_bytes for n in random) == sorted([B * T * C] * (1 + 2 * layers) + [B * heads * T * T] * layers)
 
 
 def test_capture_flops_match_eager_step():
@@ -61,10 +112,38 @@ def test_training_graph_json_roundtrip():
 
 
 def test_capture_kwargs_and_several_outputs():
+    """Keyword tensors are inputs like the others, every tensor the step returns is kept to its
+    end, and BatchNorm's new running statistics live only until the forward ends."""
+    torch.manual_seed(0)
     model = KwargsNet()
     x, t = torch.randn(16, 32), torch.randn(16, 32)
     g = remat.capture(model, (x,), {"target": t, "scale": 0.5})
-    assert len(g.nodes) > 5
+    by_op = {}
+    for n in g.nodes:
+        by_op.setdefault(n.op, []).append(n)
+    assert (len(g.forward_nodes), len(g.backward_nodes)) == (10, 11)
+    # `target=` is resident, as are the model and `x`; so are the tangents: 4 bytes for the loss's
+    # seed, and y's gradient (zeros, y is not differentiated), freed after its one reader
+    assert g.resident_bytes == resident_bytes([model, x, t]) + sum(b for b, _ in g.tangents)
+    y_bytes = 16 * 32 * 4
+    assert g.tangents == ((4, ()), (y_bytes, (by_op["add.Tensor"][1].name,)))
+    # both outputs are kept: y (fc2's output times `scale`) and the loss, which on CPU holds the
+    # elementwise squared error it is a view of
+    fc2 = next(n for n in g.forward_nodes if n.module_path == "fc2")
+    y = next(n for n in g.forward_nodes if n.inputs == (fc2.name,))
+    assert (y.op, y.out_bytes, y.kept_bytes) == ("mul.Tensor", 0, y_bytes)
+    (loss,) = by_op["mse_loss.default"]
+    assert loss.inputs == (y.name,) and loss.kept_bytes == y_bytes
+    # BatchNorm: its output dies with its reader, its new running mean and variance and the
+    # incremented num_batches_tracked are forward_kept (dropped when the forward ends)
+    (bn,) = by_op["_native_batch_norm_legit_functional.default"]
+    stats = model.bn.running_mean.nbytes
+    assert bn.forward_kept == ((stats, ("native_batch_norm_backward",)),) * 2
+    assert [b for b, _ in bn.out_parts] == [16 * 64 * 4, stats, stats]
+    (count,) = [n for n in g.forward_nodes if n.module_path == "fc1" and n.op == "add.Tensor"]
+    assert count.forward_kept == ((model.bn.num_batches_tracked.nbytes, ()),)
+    # the dropout mask: random, 1 byte per element of its (16, 64) input
+    assert [(n.op, n.out_bytes) for n in g.nodes if n.is_random] == [("native_dropout.default", 16 * 64)]
 
 
 def test_untraceable_model_names_the_source_line():

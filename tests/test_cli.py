@@ -12,7 +12,7 @@ import pytest
 
 import remat
 import remat.cli as cli
-from remat.measure import _without_usdt_lines
+from remat.graph_capture.profiling import _without_usdt_lines
 from remat.solver.plan import Plan
 
 TINY = ["--layers", "1", "--seq", "16", "--batch", "1", "--embd", "16", "--heads", "2"]

@@ -76,6 +76,76 @@ def test_trains_with_padding_mask_under_budget(name):
     assert not torch.compiler.is_compiling()  # the tracing switch is off again
 
 
+class _LossOf(torch.nn.Module):
+    """The model's loss alone, as a training loop takes it (`model(**batch).loss`)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch):
+        return self.model(**batch).loss
+
+
+def _loss_and_grads(module, params, batch):
+    for p in params:
+        p.grad = None
+    loss = module(**batch)
+    loss.backward()
+    res = [loss.detach()] + [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return res
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_attention_mask", "padded"])
+def test_keep_all_never_peaks_above_the_model_as_it_is(padded):
+    """LLaMA with its default attention (SDPA), no recomputation: never above the model run as it
+    is, gradients as eager's, for the batch it was planned on and for other masks. Without
+    `attention_mask`, eager passes SDPA is_causal=True and grouped K/V; the traced step once built
+    a packed-sequence mask from the position ids instead (so repeat_kv copies and a float mask per
+    layer), and copied the fused attention's output to merge its heads: 96 KiB above eager."""
+    model, batch = _LossOf(hf_model("llama", dropout=0.0)), hf_batch("llama")
+    assert model.model.config._attn_implementation == "sdpa"
+    if not padded:
+        del batch["attention_mask"]
+    params = list(model.parameters())
+
+    def step(module):
+        return lambda: module(**batch).backward()
+
+    eager = remat.measure_peak(step(model), resident=[model, *_tensors(batch)])
+    ref = _loss_and_grads(model, params, batch)
+    opt = remat.optimize(model, budget_bytes=2**40, example_inputs=(), example_kwargs=batch, solver="keep_all")
+    assert opt.plan.extra_cost == 0
+    planned = remat.measure_peak(step(opt), resident=[model, *_tensors(batch)])
+    assert planned <= eager, (planned, eager)
+    _assert_close(_loss_and_grads(opt, params, batch), ref)
+    other = hf_batch("llama", seed=2)
+    if not padded:  # the same graph for other tokens
+        del other["attention_mask"]
+        _assert_close(_loss_and_grads(opt, params, other), _loss_and_grads(model, params, other))
+        return
+    other["attention_mask"][0, -9:] = 0  # another padding pattern, and none (eager drops the mask)
+    for mask in (other["attention_mask"], torch.ones_like(other["attention_mask"])):
+        other["attention_mask"] = mask
+        _assert_close(_loss_and_grads(opt, params, other), _loss_and_grads(model, params, other))
+
+
+def test_packed_position_ids_keep_their_mask():
+    """Position ids the caller passes can differ between batches: the graph keeps the
+    packed-sequence mask (built from them) and is right for packed and unpacked ones alike."""
+    model, batch = hf_model("llama", dropout=0.0), hf_batch("llama")
+    del batch["attention_mask"]
+    batch["position_ids"] = torch.arange(32).repeat(4, 1)
+    params = list(model.parameters())
+    opt = remat.optimize(model, budget_bytes=2**40, example_inputs=(), example_kwargs=batch, solver="keep_all")
+    packed = dict(batch, position_ids=torch.cat([torch.arange(12), torch.arange(20)]).repeat(4, 1))
+    for b in (batch, packed):
+        _assert_close(_loss_grads_logits(opt, params, b)[0], _loss_grads_logits(model, params, b)[0])
+    assert not torch.compiler.is_compiling()
+
+
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_padding_masks_do_not_trace_without_the_switch(name, monkeypatch):
     """What hf_compat fixes: Hugging Face's mask shortcuts read the padding mask's values."""

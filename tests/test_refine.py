@@ -1,6 +1,6 @@
 import random
 
-from remat.solver import equal_spacing
+from remat.solver import checkmate, equal_spacing
 from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.schedule import keep_all_schedule
 from remat.solver.simulator import simulate
@@ -39,13 +39,24 @@ def test_a_dead_first_instance_is_pruned_as_the_runtime_drops_it():
     """An instance nobody reads before the node's next instance is dead code at run time, the
     first one too (Checkmate's stages compute node t in stage t even when it is recomputed
     before any read); the plan must not count its cost."""
-    from remat.solver.checkmate import _prune
-
     g = training_chain(3, seed=1)
     plain = [n.name for n in g.nodes]
     dead_first = ["f1", "f1", *plain[1:]]  # f1 computed, then again before f2 reads it
     assert prune_unread(g, dead_first) == plain
-    assert _prune(g, dead_first) == plain
     read_twice = ["f1", "f2", "f1", *plain[2:]]  # both instances read (f2, then b1): nothing to drop
     assert prune_unread(g, read_twice) == read_twice
-    assert _prune(g, read_twice) == read_twice
+    dead_last = [*plain[:-1], "f2", plain[-1]]  # f2 again after b2, its last reader: never read
+    assert prune_unread(g, dead_last) == plain
+
+
+def test_checkmate_plans_hold_no_unread_recomputation():
+    """The plans that skip the fine refinement are pruned all the same: the min-peak MILP's plan
+    (min_feasible_budget's, deployed as is) and an "infeasible" answer. The min-peak MILP does not
+    price compute and leaves recomputations nobody reads, which the runtime drops: the plan's
+    predicted cost and FLOPs must not count them."""
+    g = transformer_like(1)
+    _, low = checkmate.min_feasible_budget(g, coarsen_to=None, return_plan=True)
+    assert low.schedule == prune_unread(g, low.schedule)
+    assert low.extra_cost == simulate(g, prune_unread(g, low.schedule)).extra_cost
+    below = checkmate.solve(g, low.predicted_peak_bytes - 1, coarsen_to=12)
+    assert below.status == "infeasible" and below.schedule == prune_unread(g, below.schedule)

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 import remat
+from remat.default_model import default_model
 from remat.report import reference_step, run_strategy
 from remat.runtime.module import OutsideBudgetWarning
 from remat.runtime.partition import PlanMismatchError
 from remat.solver.plan import Plan
-from tests.models import ConvNet, DataDependent, KwargsNet, small_gpt
+from tests.models import SMALL, ConvNet, DataDependent, KwargsNet, small_gpt
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +55,31 @@ def test_drop_in_training():
         losses.append(loss.item())
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert losses[-1] < losses[0]
-    # load_state_dict goes to the user's model under the same keys
-    opt.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    # load_state_dict goes to the user's model under the same keys, in place (the optimizer's
+    # parameters stay the ones trained), and the optimized module computes with the loaded values:
+    # its loss and gradients are those of an eager model initialised with them
+    other = default_model(SMALL, seed=7)
+    assert not any(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    ids = [id(p) for p in model.parameters()]
+    opt.load_state_dict({k: v.clone() for k, v in other.state_dict().items()})
+    assert [id(p) for p in opt.parameters()] == ids
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in model.state_dict().items())
+    results = []
+    for module in (opt, other):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)  # the same dropout masks
+        loss = module(*inputs)
+        loss.backward()
+        params = model.parameters() if module is opt else other.parameters()
+        results.append([loss.detach()] + [p.grad.clone() for p in params])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
     # eval mode and no_grad run the model as it is (tests/test_outputs_and_state.py: eval with grad)
     opt.eval()
+    other.eval()
     with torch.no_grad():
         assert torch.equal(opt(*inputs), model(*inputs))
+        assert torch.allclose(opt(*inputs), other(*inputs), rtol=1e-5, atol=1e-6)
     opt.train()
 
 

@@ -22,7 +22,7 @@ import warnings
 import pytest
 
 import remat.api as api
-from remat.solver import backends, checkmate, equal_spacing
+from remat.solver import backends, checkmate, checkmate_attempts, checkmate_lowest, equal_spacing
 from remat.solver.backends import BackendError
 from remat.solver.checkmate import SolverFallbackWarning
 from remat.solver.plan import InfeasibleBudgetError
@@ -86,7 +86,7 @@ def test_a_failing_backend_falls_back_to_the_next(monkeypatch):
             raise BackendError("highs: simulated failure")
         return real(prob, backend, limits, **kw)
 
-    monkeypatch.setattr(checkmate, "run_backend", broken_highs)
+    monkeypatch.setattr(checkmate_attempts, "run_backend", broken_highs)
     g = training_chain(6, 0)
     budget = _mid_budget(g)
     with pytest.warns(SolverFallbackWarning, match="simulated failure"):
@@ -105,7 +105,7 @@ def test_every_backend_failing_gives_the_heuristic_plan(monkeypatch, how):
             raise BackendError(f"{backend}: simulated crash")
         return backends.Outcome("none")  # no solution, and no limit to explain it
 
-    monkeypatch.setattr(checkmate, "run_backend", broken)
+    monkeypatch.setattr(checkmate_attempts, "run_backend", broken)
     g = transformer_like(2)
     budget = _mid_budget(g)
     es = equal_spacing.solve(g, budget)
@@ -128,7 +128,7 @@ def test_node_limit_without_incumbent_is_not_a_failure(monkeypatch):
         tried.append(backend)
         return backends.Outcome("none", stopped_by="node limit")
 
-    monkeypatch.setattr(checkmate, "run_backend", limited)
+    monkeypatch.setattr(checkmate_attempts, "run_backend", limited)
     g = transformer_like(2)
     budget = _mid_budget(g)
     with warnings.catch_warnings():
@@ -239,13 +239,13 @@ def test_smallest_budget_is_accepted_even_if_a_second_search_would_differ(monkey
     time-limited search on a busier machine could) finds nothing; solve still accepts the budget
     reported, because it falls back to the same lowest-peak plan."""
     g = random_dag(50, 4)
-    real, calls = checkmate._min_peak, []
+    real, calls = checkmate_lowest.min_peak_plan, []
 
     def once(*a, **kw):
         calls.append(1)
         return real(*a, **kw) if len(calls) == 1 else None
 
-    monkeypatch.setattr(checkmate, "_min_peak", once)
+    monkeypatch.setattr(checkmate_lowest, "min_peak_plan", once)
     with pytest.raises(InfeasibleBudgetError) as e:
         api.solve(g, g.resident_bytes + 1, coarsen_to=30)
     m = e.value.min_feasible_bytes
@@ -259,7 +259,7 @@ def test_smallest_budget_is_accepted_when_every_backend_fails(monkeypatch):
     def broken(prob, backend, limits, **kw):
         raise BackendError(f"{backend}: simulated crash")
 
-    monkeypatch.setattr(checkmate, "run_backend", broken)
+    monkeypatch.setattr(checkmate_attempts, "run_backend", broken)
     g = random_dag(30, 5)
     with pytest.warns(SolverFallbackWarning):
         with pytest.raises(InfeasibleBudgetError) as e:

@@ -1,64 +1,50 @@
-"""Tests for the fused FlashAttention-2 kernels (runtime/triton_attention.py).
+"""Tests for the fused FlashAttention-2 op and kernels (remat.attention: op, launch, kernels, reference).
 
 The Triton kernels run in the Triton interpreter on CPU tensors (TRITON_INTERPRET=1); the PyTorch
 fallback and the custom op's autograd/fake registrations are tested on CPU as well.  Everything is
 compared against a float64 PyTorch reference.
 """
+import math
 import os
+import subprocess
+import sys
 
-# The interpreter is requested before triton is imported.  The module under test decorates its
-# kernels lazily, per mode, so the variable only has to be "1" while these tests run: it is put back
-# right after the imports (pytest imports every test module before running any, and other modules'
-# CPU tests must not silently run Triton's interpreter) and set again by a module-scoped fixture.
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-try:
-    triton = pytest.importorskip("triton", reason="triton is not installed: Triton attention tests skipped")
-    from remat.runtime import triton_attention as ta  # noqa: E402
-    from remat.runtime.triton_attention import flash_attention, flash_attention_with_lse  # noqa: E402
-finally:
-    if _PREV_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+triton = pytest.importorskip("triton", reason="triton is not installed: Triton attention tests skipped")
+from remat.attention import launch, reference  # noqa: E402
+from remat.attention.op import flash_attention, flash_attention_with_lse  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpret_env():
-    os.environ["TRITON_INTERPRET"] = "1" if _PREV_INTERPRET is None else _PREV_INTERPRET
+    # The kernels run in Triton's interpreter on CPU tensors. remat jits them per mode, when they are
+    # first launched in it, so the variable only has to be "1" while these tests run, whatever the
+    # user set (or not) and whenever triton was imported; it is put back afterwards, so other
+    # modules' CPU tests never run the interpreter.
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
     # Tiny ops: one intra-op thread avoids OpenMP spin-waits that make this module ~10x slower
     # when the CPUs are shared with other work.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-    if _PREV_INTERPRET is None:
+    if prev is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
-        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+        os.environ["TRITON_INTERPRET"] = prev
 
 
 @pytest.fixture(autouse=True)
 def _restore_mode():
-    mode = ta.get_triton_mode()
-    blocks = dict(ta.INTERPRET_BLOCKS)
+    mode = launch.get_triton_mode()
+    blocks = dict(launch.INTERPRET_BLOCKS)
     yield
-    ta.set_triton_mode(mode)
-    ta.INTERPRET_BLOCKS.clear()
-    ta.INTERPRET_BLOCKS.update(blocks)
-
-
-def _needs_interpreter():
-    if not ta.interpret_mode():
-        pytest.skip("TRITON_INTERPRET is not 1 in this process; interpreter tests need it")
+    launch.set_triton_mode(mode)
+    launch.INTERPRET_BLOCKS.clear()
+    launch.INTERPRET_BLOCKS.update(blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,10 +123,9 @@ LOWP_CASES = [
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", FP32_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_triton_fp32_matches_fp64(case):
-    _needs_interpreter()
     B, H, HK, SQ, SK, D, causal = case
     q, k, v, do = _inputs(torch.float32, B, H, HK, SQ, SK, D)
-    assert ta.use_triton(q)
+    assert launch.use_triton(q)
     scale = 1.0 / math.sqrt(D)
     res = _run(_fa, q, k, v, do, causal, scale)
     ref = _ref_grads(q, k, v, do, causal, scale)
@@ -161,10 +146,9 @@ def test_triton_fp32_matches_fp64(case):
 def test_triton_low_precision(dtype, case):
     """fp16 / bf16 (bf16 dots upcast in the interpreter): error vs float64 at most 3x the error of
     a plain PyTorch attention computed in the same dtype (+ a small floor)."""
-    _needs_interpreter()
     B, H, HK, SQ, SK, D, causal = case
     q, k, v, do = _inputs(dtype, B, H, HK, SQ, SK, D, seed=1)
-    assert ta.use_triton(q)
+    assert launch.use_triton(q)
     scale = 1.0 / math.sqrt(D)
     res = _run(_fa, q, k, v, do, causal, scale)
     assert res[0].dtype == dtype and all(g.dtype == dtype for g in res[1:])
@@ -179,8 +163,7 @@ def test_triton_low_precision(dtype, case):
 
 def test_triton_other_block_shapes():
     """Swap which of BLOCK_M / BLOCK_N is larger (causal block-skipping arithmetic)."""
-    _needs_interpreter()
-    ta.INTERPRET_BLOCKS.update({"fwd": (32, 64), "dkdv": (64, 32), "dq": (32, 64), "pre": 32})
+    launch.INTERPRET_BLOCKS.update({"fwd": (32, 64), "dkdv": (64, 32), "dq": (32, 64), "pre": 32})
     for B, H, HK, SQ, SK, D, causal in [(1, 4, 2, 97, 131, 32, True), (1, 2, 1, 131, 70, 32, True),
                                         (1, 2, 2, 77, 77, 32, False)]:
         q, k, v, do = _inputs(torch.float32, B, H, HK, SQ, SK, D, seed=2)
@@ -190,7 +173,6 @@ def test_triton_other_block_shapes():
 
 
 def test_triton_fully_masked_rows_are_zero():
-    _needs_interpreter()
     q, k, v, do = _inputs(torch.float32, 1, 2, 2, 100, 40, 32, seed=3)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = flash_attention_with_lse(q, k, v, causal=True)
@@ -206,7 +188,6 @@ def test_triton_fully_masked_rows_are_zero():
 
 def test_triton_strided_inputs():
     """q/k/v as head-transposed views of (B, S, H, D) buffers (non-contiguous)."""
-    _needs_interpreter()
     g = torch.Generator().manual_seed(4)
     qb = torch.randn(2, 70, 4, 32, generator=g)
     kb = torch.randn(2, 90, 2, 32, generator=g)
@@ -221,7 +202,6 @@ def test_triton_strided_inputs():
 
 def test_triton_lse_gradient():
     """A gradient flowing into lse (d lse / d s = softmax) is handled by the backward."""
-    _needs_interpreter()
     q, k, v, do = _inputs(torch.float32, 1, 4, 2, 70, 90, 32, seed=5)
     dl = torch.randn(1, 4, 70, generator=torch.Generator().manual_seed(6))
     for causal in (False, True):
@@ -238,7 +218,6 @@ def test_triton_lse_gradient():
 
 
 def test_saved_tensors_have_no_score_matrix():
-    _needs_interpreter()
     q, k, v, do = _inputs(torch.float32, 1, 2, 2, 96, 96, 32)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     shapes = []
@@ -259,10 +238,10 @@ def test_saved_tensors_have_no_score_matrix():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", FP32_CASES[2:], ids=lambda c: "x".join(map(str, c)))
 def test_fallback_matches_fp64(dtype, case):
-    ta.set_triton_mode("never")
+    launch.set_triton_mode("never")
     B, H, HK, SQ, SK, D, causal = case
     q, k, v, do = _inputs(dtype, B, H, HK, SQ, SK, D, seed=7)
-    assert not ta.use_triton(q)
+    assert not launch.use_triton(q)
     scale = 1.0 / math.sqrt(D)
     err = _errors(_run(_fa, q, k, v, do, causal, scale), _ref_grads(q, k, v, do, causal, scale))
     tol = 5e-5 if dtype == torch.float32 else 1e-12
@@ -270,8 +249,8 @@ def test_fallback_matches_fp64(dtype, case):
 
 
 def test_fallback_chunking(monkeypatch):
-    ta.set_triton_mode("never")
-    monkeypatch.setattr(ta, "_REF_CHUNK", 16)
+    launch.set_triton_mode("never")
+    monkeypatch.setattr(reference, "_REF_CHUNK", 16)
     q, k, v, do = _inputs(torch.float64, 1, 4, 2, 50, 40, 16, seed=8)
     err = _errors(_run(_fa, q, k, v, do, True, 0.3), _ref_grads(q, k, v, do, True, 0.3))
     assert max(err) < 1e-12, err
@@ -282,7 +261,7 @@ def _f64_leaves(g, *shapes):
 
 
 def test_fallback_gradcheck():
-    ta.set_triton_mode("never")
+    launch.set_triton_mode("never")
     g = torch.Generator().manual_seed(9)
     q, k, v = _f64_leaves(g, (1, 4, 12, 8), (1, 2, 17, 8), (1, 2, 17, 8))
     for causal in (False, True):  # Sq <= Sk: every row sees a key, lse is finite
@@ -295,10 +274,9 @@ def test_fallback_gradcheck():
 @pytest.mark.parametrize("path", ["fallback", "triton"])
 def test_opcheck(path):
     if path == "triton":
-        _needs_interpreter()
         dtype = torch.float32
     else:
-        ta.set_triton_mode("never")
+        launch.set_triton_mode("never")
         dtype = torch.float64
     q, k, v, do = _inputs(dtype, 1, 4, 2, 40, 48, 16, seed=10)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -335,7 +313,8 @@ def test_import_and_fallback_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
         "import torch\n"
-        "from remat.runtime.triton_attention import flash_attention, triton_available, use_triton\n"
+        "from remat.attention.op import flash_attention\n"
+        "from remat.attention.launch import triton_available, use_triton\n"
         "assert not triton_available()\n"
         "q = torch.randn(1, 2, 10, 8, requires_grad=True)\n"
         "assert not use_triton(q)\n"
@@ -353,7 +332,7 @@ def test_import_and_fallback_without_triton():
 # ---------------------------------------------------------------------------------------------
 def ref_dropout_attention(q, k, v, causal, scale, p, seed):
     """float64 softmax attention with the probabilities dropped by the op's hashed mask."""
-    from remat.runtime.attention_dropout import dropout_keep_mask
+    from remat.attention.dropout_hash import dropout_keep_mask
 
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
@@ -372,10 +351,8 @@ DROPOUT_CASES = [(1, 2, 2, 100, 100, 32, True), (2, 4, 2, 70, 90, 32, False), (1
 @pytest.mark.parametrize("path", ["triton", "fallback"])
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_dropout_matches_fp64_with_the_same_mask(path, case):
-    if path == "triton":
-        _needs_interpreter()
-    else:
-        ta.set_triton_mode("never")
+    if path == "fallback":
+        launch.set_triton_mode("never")
     B, H, HK, SQ, SK, D, causal = case
     q, k, v, do = _inputs(torch.float32, B, H, HK, SQ, SK, D, seed=11)
     seed = torch.tensor(1234567, dtype=torch.int64)
@@ -390,7 +367,7 @@ def test_dropout_matches_fp64_with_the_same_mask(path, case):
 
 
 def test_dropout_mask_statistics_and_determinism():
-    from remat.runtime.attention_dropout import dropout_keep_mask
+    from remat.attention.dropout_hash import dropout_keep_mask
 
     keep = dropout_keep_mask(torch.tensor(7), (2, 4), 256, (0, 256), 256, 0.1)
     assert abs(keep.float().mean().item() - 0.9) < 0.005
@@ -403,7 +380,7 @@ def test_dropout_mask_statistics_and_determinism():
 
 
 def test_dropout_gradcheck_and_opcheck():
-    ta.set_triton_mode("never")
+    launch.set_triton_mode("never")
     g = torch.Generator().manual_seed(12)
     q, k, v = _f64_leaves(g, (1, 4, 12, 8), (1, 2, 17, 8), (1, 2, 17, 8))
     seed = torch.tensor(99, dtype=torch.int64)
@@ -416,7 +393,7 @@ def test_dropout_gradcheck_and_opcheck():
 
 
 def test_dropout_seed_from_torch_generator():
-    ta.set_triton_mode("never")
+    launch.set_triton_mode("never")
     q, k, v, _ = _inputs(torch.float32, 1, 2, 2, 32, 32, 16, seed=13)
     torch.manual_seed(5)
     a = flash_attention(q, k, v, True, dropout_p=0.5)
@@ -428,8 +405,7 @@ def test_dropout_seed_from_torch_generator():
 def test_triton_small_blocks_many_unmasked_tiles():
     """16 x 16 tiles: most tiles are off the diagonal and inside Sq/Sk, so the kernels skip their
     masks there; results must not change (causal and not, dropout, GQA, ragged S)."""
-    _needs_interpreter()
-    ta.INTERPRET_BLOCKS.update({"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16), "pre": 16})
+    launch.INTERPRET_BLOCKS.update({"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16), "pre": 16})
     seed = torch.tensor(77, dtype=torch.int64)
     for causal, (sq, sk), p in [(True, (70, 70), 0.0), (False, (70, 90), 0.0), (True, (90, 70), 0.0),
                                 (True, (70, 70), 0.25)]:

@@ -31,7 +31,7 @@ Nothing is fused that the tracker cannot prove to be the fused op's function:
   softmax, and the cast back); softmax only over the last dim; every step keeps the scores' shape.
 
 Dropout on the probabilities is fused only when the router is asked to (`fuse_dropout`): the
-tracker then replaces it with the op's own hashed dropout (`attention_dropout.hashed_dropout`, same
+tracker then replaces it with the op's own hashed dropout (`dropout_hash.hashed_dropout`, same
 distribution, masks from remat's generator rather than torch's), so that the fused op, given the
 same seed, computes exactly what the spelled-out chain would. In-place dropout is never replaced.
 
@@ -44,73 +44,24 @@ cannot prove causal is left alone, and the reason is reported.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.runtime.attention_dropout import draw_seed, hashed_dropout
+from remat.attention.dropout_hash import draw_seed, hashed_dropout
+from remat.attention.spellings import (ADD_OPS, CAST_OPS, DATA_OPS, DIV_OPS, IADD_OPS, IDIV_OPS, IMASKED_FILL_OPS,
+                                       IMUL_OPS, MASKED_FILL_OPS, MASK_OPS, MATMUL_OPS, MT_OPS, MUL_OPS,
+                                       SOFTMAX_OPS, TRANSPOSE_OPS, WHERE_OPS, arg, at_least_as_precise,
+                                       is_last_two, is_minus_inf_fill, positive_factor, version_of)
+from remat.compat.torch_private import disable_current_modes, pytree
 
 __all__ = ["ExplicitAttentionTracker", "AttentionChain", "version_of"]
 
 # masks bigger than this are not shadowed (a causal mask for S = 4096 has 16M entries)
 _SHADOW_MAX_NUMEL = 1 << 26
-
-
-def _ops(*names: str, funcs: tuple = ()) -> frozenset:
-    """The callables a TorchFunctionMode sees for these Tensor methods (Tensor's own Python
-    wrappers and TensorBase's C methods) plus the given functions."""
-    found = set(funcs)
-    for name in names:
-        for cls in (torch.Tensor, torch._C.TensorBase):
-            if hasattr(cls, name):
-                found.add(getattr(cls, name))
-    return frozenset(found)
-
-
-# ops that build masks: replayed on the shadows, cheap and deterministic (none of them in place)
-_MASK_OPS = _ops("__getitem__", "__invert__", "logical_not", "bitwise_not", "__eq__", "__ne__", "__lt__",
-                 "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt", "ge", "tril", "triu", "view",
-                 "reshape", "unsqueeze", "expand", "bool", "to", "float", "__and__", "__or__", "logical_and",
-                 "logical_or", "t", "transpose", "masked_fill", "__mul__", "__rmul__", "mul", "__sub__",
-                 "__rsub__", "sub",
-                 funcs=(torch.logical_not, torch.bitwise_not, torch.eq, torch.ne, torch.lt, torch.le, torch.gt,
-                        torch.ge, torch.tril, torch.triu, torch.ones, torch.zeros, torch.ones_like,
-                        torch.zeros_like, torch.full, torch.arange, torch.logical_and, torch.logical_or,
-                        torch.masked_fill, torch.where, torch.mul, torch.sub))
-_TRANSPOSE_OPS = _ops("transpose", funcs=(torch.transpose,))
-_MT_OPS = frozenset({torch.Tensor.mT.__get__, torch._C.TensorBase.mT.__get__})
-_MATMUL_OPS = _ops("__matmul__", "matmul", funcs=(torch.matmul,))
-_MUL_OPS = _ops("__mul__", "__rmul__", "mul", funcs=(torch.mul,))
-_DIV_OPS = _ops("__truediv__", "div", funcs=(torch.div,))
-_MASKED_FILL_OPS = _ops("masked_fill", funcs=(torch.masked_fill,))
-_ADD_OPS = _ops("__add__", "__radd__", "add", funcs=(torch.add,))
-# the in-place spellings understood exactly (the op is applied to args[0], which is returned)
-_IMUL_OPS = _ops("__imul__", "mul_")
-_IDIV_OPS = _ops("__itruediv__", "__idiv__", "div_")
-_IMASKED_FILL_OPS = _ops("masked_fill_")
-_IADD_OPS = _ops("__iadd__", "add_")
-_SOFTMAX_OPS = _ops("softmax", funcs=(F.softmax, torch.softmax))
-_WHERE_OPS = _ops("where", funcs=(torch.where,))  # torch.where(cond, input, other) / input.where(cond, other)
-_CAST_OPS = _ops("float", "to", "type_as")
-# `.data` aliases a tensor's storage under a new version counter: in-place ops through it are invisible
-_DATA_OPS = frozenset({torch.Tensor.data.__get__, torch._C.TensorBase.data.__get__})
-
-
-def version_of(t) -> int | None:
-    """`t._version` (bumped by every in-place op on t or a view sharing its storage), or None
-    when t is not a tensor or does not track versions (inference tensors)."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    try:
-        return t._version
-    except Exception:  # inference tensors have no version counter: nothing about them is provable
-        return None
 
 
 @dataclass(frozen=True)
@@ -127,44 +78,6 @@ class AttentionChain:
     version: int | None = None  # the tagged tensor's version when it was tagged
     reads: tuple = ()  # ((tensor, version, name), ...): what the fused op reads again (q, k)
     broken: str | None = None  # why this chain no longer computes what the tags say
-
-
-def _arg(args, kwargs, i: int, name: str, default=None):
-    if name in kwargs:
-        return kwargs[name]
-    return args[i] if len(args) > i else default
-
-
-def _is_last_two(d0, d1, ndim: int) -> bool:
-    return isinstance(d0, int) and isinstance(d1, int) and {d0 % ndim, d1 % ndim} == {ndim - 2, ndim - 1}
-
-
-def _positive_factor(other) -> float | None:
-    """A python scalar scale (not bool, not a tensor: a 0-d tensor's value is not known while
-    tracing), finite and > 0; else None."""
-    if isinstance(other, bool) or not isinstance(other, (int, float)):
-        return None
-    try:
-        f = float(other)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) and f > 0 else None
-
-
-def _at_least_as_precise(dtype: torch.dtype, than: torch.dtype) -> bool:
-    """A floating dtype that holds every value of `than` exactly (fp32 for fp16/bf16, fp64 ...)."""
-    if not (dtype.is_floating_point and than.is_floating_point) or dtype.is_complex:
-        return False
-    a, b = torch.finfo(dtype), torch.finfo(than)
-    return a.eps <= b.eps and a.max >= b.max and a.tiny <= b.tiny
-
-
-def _is_minus_inf_fill(value, dtype: torch.dtype) -> bool:
-    """-inf, or a value <= finfo(dtype).min (e.g. HF's torch.finfo(dtype).min): exp(value - max)
-    underflows to exactly 0 as for -inf, as long as the row sees some key."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not dtype.is_floating_point:
-        return False
-    return value == float("-inf") or value <= torch.finfo(dtype).min
 
 
 class ExplicitAttentionTracker:
@@ -219,7 +132,7 @@ class ExplicitAttentionTracker:
 
     def replay_mask_op(self, func, args, kwargs, out) -> None:
         """If `func` builds a mask from shadowed (or no) tensors, compute its shadow too."""
-        if func not in _MASK_OPS or not isinstance(out, torch.Tensor) or out.numel() > _SHADOW_MAX_NUMEL:
+        if func not in MASK_OPS or not isinstance(out, torch.Tensor) or out.numel() > _SHADOW_MAX_NUMEL:
             return
         leaves, spec = pytree.tree_flatten((args, kwargs))
         real = []
@@ -236,7 +149,7 @@ class ExplicitAttentionTracker:
         r_args, r_kwargs = pytree.tree_unflatten(real, spec)
         if "device" in r_kwargs:
             r_kwargs["device"] = "cpu"
-        with _disable_current_modes():
+        with disable_current_modes():
             try:
                 shadow = func(*r_args, **r_kwargs)
                 if isinstance(shadow, torch.Tensor):  # `.to("cuda")` would move the copy: keep it on CPU
@@ -249,14 +162,14 @@ class ExplicitAttentionTracker:
 
     def _mask_kind(self, mask, sq: int, sk: int) -> str | None:
         """'causal' (bottom-right aligned, as the fused op), 'none' (masks nothing), or None."""
-        with _disable_current_modes():  # the shadows are real tensors: step outside fake mode
+        with disable_current_modes():  # the shadows are real tensors: step outside fake mode
             return self._real_mask_kind(self._shadow_of(mask), sq, sk)
 
     def _additive_mask_kind(self, bias, sq: int, sk: int, dtype: torch.dtype) -> str | None:
         """The same for an additive float mask: 0 where visible, -inf or <= finfo(dtype).min / 2
         where not (HF adds finfo(dtype).min; the sum with any ordinary score stays far below every
         visible score, so its exp underflows to exactly 0 as for -inf)."""
-        with _disable_current_modes():
+        with disable_current_modes():
             real = self._shadow_of(bias)
             if not isinstance(real, torch.Tensor) or not real.dtype.is_floating_point or not dtype.is_floating_point:
                 return None
@@ -301,17 +214,17 @@ class ExplicitAttentionTracker:
         if not isinstance(out, torch.Tensor):
             return None
         x = args[0] if args else None
-        if func in _DATA_OPS:
+        if func in DATA_OPS:
             self.data_aliased = f"`.data` of a {tuple(out.shape)} tensor was taken while tracing " \
                                 f"(in-place ops through it are invisible to the version guard)"
             return None
-        if func in _TRANSPOSE_OPS or func in _MT_OPS:
+        if func in TRANSPOSE_OPS or func in MT_OPS:
             if isinstance(x, torch.Tensor) and x.dim() == 4:
-                d0, d1 = (-2, -1) if func in _MT_OPS else (_arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1"))
-                if _is_last_two(d0, d1, 4):
+                d0, d1 = (-2, -1) if func in MT_OPS else (arg(args, kwargs, 1, "dim0"), arg(args, kwargs, 2, "dim1"))
+                if is_last_two(d0, d1, 4):
                     self._tag(out, AttentionChain("kT", None, x))
             return None
-        if func in _MATMUL_OPS and len(args) >= 2:
+        if func in MATMUL_OPS and len(args) >= 2:
             a, b = args[0], args[1]
             cb = self._current(b)
             if cb is not None and cb.stage == "kT" and isinstance(a, torch.Tensor) and a.dim() == 4 \
@@ -320,41 +233,41 @@ class ExplicitAttentionTracker:
                 reads = ((a, version_of(a), "q"), (cb.k, version_of(cb.k), "k"))
                 self._tag(out, AttentionChain("scores", a, cb.k, reads=reads, broken=cb.broken))
             return None
-        if func in _ADD_OPS and len(args) > 1 and kwargs.get("alpha", 1) == 1:
+        if func in ADD_OPS and len(args) > 1 and kwargs.get("alpha", 1) == 1:
             return self._add_mask(args[0], args[1], out)
-        if func in _WHERE_OPS and len(args) == 3 and not kwargs:
+        if func in WHERE_OPS and len(args) == 3 and not kwargs:
             cond, a, b = args if func is torch.where else (args[1], args[0], args[2])
             return self._where(cond, a, b, out)
-        inplace = func in _IMUL_OPS or func in _IDIV_OPS or func in _IMASKED_FILL_OPS or func in _IADD_OPS
+        inplace = func in IMUL_OPS or func in IDIV_OPS or func in IMASKED_FILL_OPS or func in IADD_OPS
         if inplace:
             return self._inplace(func, args, kwargs, out, pre_version)
         chain = self._current(x)
         if chain is None or chain.stage == "kT" or tuple(out.shape) != tuple(x.shape):
             return None  # every step of the pattern keeps the scores' shape
-        if func in _MUL_OPS or func in _DIV_OPS:
-            return self._scale(chain, func in _MUL_OPS, args, kwargs, out)
-        if func in _MASKED_FILL_OPS:
-            return self._masked_fill(chain, x, _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "value"), out)
-        if func in _SOFTMAX_OPS:
-            dim = _arg(args, kwargs, 1, "dim")
+        if func in MUL_OPS or func in DIV_OPS:
+            return self._scale(chain, func in MUL_OPS, args, kwargs, out)
+        if func in MASKED_FILL_OPS:
+            return self._masked_fill(chain, x, arg(args, kwargs, 1, "mask"), arg(args, kwargs, 2, "value"), out)
+        if func in SOFTMAX_OPS:
+            dim = arg(args, kwargs, 1, "dim")
             # dtype is F.softmax's 4th parameter (after _stacklevel), Tensor.softmax's/torch.softmax's 3rd
-            dtype = _arg(args, kwargs, 3 if func is F.softmax else 2, "dtype")
+            dtype = arg(args, kwargs, 3 if func is F.softmax else 2, "dtype")
             if chain.stage in ("scores", "masked") and isinstance(dim, int) and dim in (-1, out.dim() - 1) \
-                    and (dtype is None or _at_least_as_precise(out.dtype, x.dtype)):
+                    and (dtype is None or at_least_as_precise(out.dtype, x.dtype)):
                 self._tag(out, replace(chain, stage="probs"))
             return None
         if func is F.dropout and chain.stage == "probs":
-            p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True)
-            if _arg(args, kwargs, 3, "inplace", False):
+            p, training = arg(args, kwargs, 1, "p", 0.5), arg(args, kwargs, 2, "training", True)
+            if arg(args, kwargs, 3, "inplace", False):
                 # in training it changed `x` in place: the stale tag on x breaks the chain below
                 return None
             self._tag(out, replace(chain, dropout_p=float(p) if training else 0.0))
             return None
-        if func in _CAST_OPS and chain.stage in ("scores", "masked", "probs"):
+        if func in CAST_OPS and chain.stage in ("scores", "masked", "probs"):
             # casts around softmax do not change the pattern, as long as nothing is rounded below
             # q's precision (the fused op computes in it) and the value stays on its device
-            if out.device == x.device and _at_least_as_precise(out.dtype, chain.q.dtype) \
-                    and _at_least_as_precise(out.dtype, chain.k.dtype):
+            if out.device == x.device and at_least_as_precise(out.dtype, chain.q.dtype) \
+                    and at_least_as_precise(out.dtype, chain.k.dtype):
                 self._tag(out, chain)
         return None
 
@@ -362,8 +275,8 @@ class ExplicitAttentionTracker:
     def _scale_factor(is_mul: bool, args, kwargs) -> float | None:
         if kwargs.get("rounding_mode") is not None:
             return None
-        f = _positive_factor(_arg(args, kwargs, 1, "other"))
-        return None if f is None else _positive_factor(f if is_mul else 1.0 / f)
+        f = positive_factor(arg(args, kwargs, 1, "other"))
+        return None if f is None else positive_factor(f if is_mul else 1.0 / f)
 
     def _masked_fill(self, chain: AttentionChain, x, mask, value, out) -> str | None:
         if chain.stage != "scores":
@@ -371,7 +284,7 @@ class ExplicitAttentionTracker:
         kind = self._mask_kind(mask, out.shape[-2], out.shape[-1])
         if kind is None:
             return "explicit attention: mask not recognised as causal"
-        if not _is_minus_inf_fill(value, x.dtype):
+        if not is_minus_inf_fill(value, x.dtype):
             return f"explicit attention: masked_fill value {value!r} (not -inf or <= finfo({x.dtype}).min)"
         self._tag(out, replace(chain, stage="masked", causal=kind == "causal"))
         return None
@@ -385,7 +298,7 @@ class ExplicitAttentionTracker:
                 continue
             if tuple(out.shape) != tuple(scores.shape) or out.dtype != scores.dtype:
                 return None  # a condition or fill that broadcasts or promotes the scores
-            with _disable_current_modes():
+            with disable_current_modes():
                 real = self._shadow_of(cond)
                 blocked = None if not isinstance(real, torch.Tensor) or real.dtype != torch.bool \
                     else (~real if keep_where_true else real)
@@ -395,7 +308,7 @@ class ExplicitAttentionTracker:
                     value = known.item() if isinstance(known, torch.Tensor) and known.numel() == 1 else value
             if kind is None:
                 return "explicit attention: torch.where mask not recognised as causal"
-            if not _is_minus_inf_fill(value, scores.dtype):
+            if not is_minus_inf_fill(value, scores.dtype):
                 return f"explicit attention: torch.where fill {value!r} (not -inf or <= finfo({scores.dtype}).min)"
             self._tag(out, replace(chain, stage="masked", causal=kind == "causal"))
             return None
@@ -404,7 +317,7 @@ class ExplicitAttentionTracker:
     def _scale(self, chain: AttentionChain, multiply: bool, args, kwargs, out) -> None:
         """Scores times (or divided by) a positive finite python scalar, in place or not."""
         factor = self._scale_factor(multiply, args, kwargs)
-        if chain.stage == "scores" and factor is not None and _positive_factor(chain.scale * factor):
+        if chain.stage == "scores" and factor is not None and positive_factor(chain.scale * factor):
             self._tag(out, replace(chain, scale=chain.scale * factor))
         return None
 
@@ -415,10 +328,10 @@ class ExplicitAttentionTracker:
         chain = self.chains.get(x) if isinstance(x, torch.Tensor) else None
         if chain is None or chain.broken is not None or out is not x or pre_version != chain.version:
             return None  # not a chain value, or already modified: the version check catches it
-        if func in _IMUL_OPS or func in _IDIV_OPS:
-            return self._scale(chain, func in _IMUL_OPS, args, kwargs, out)
-        if func in _IMASKED_FILL_OPS:
-            return self._masked_fill(chain, x, _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "value"), out)
+        if func in IMUL_OPS or func in IDIV_OPS:
+            return self._scale(chain, func in IMUL_OPS, args, kwargs, out)
+        if func in IMASKED_FILL_OPS:
+            return self._masked_fill(chain, x, arg(args, kwargs, 1, "mask"), arg(args, kwargs, 2, "value"), out)
         if kwargs.get("alpha", 1) == 1 and len(args) > 1:  # += / add_
             return self._add_mask(x, args[1], out, inplace=True)
         return None
@@ -447,9 +360,9 @@ class ExplicitAttentionTracker:
         if not self.fuse_dropout or func is not F.dropout or not args:
             return None
         chain = self._current(args[0])
-        p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True)
+        p, training = arg(args, kwargs, 1, "p", 0.5), arg(args, kwargs, 2, "training", True)
         if chain is None or chain.broken is not None or chain.stage != "probs" or not training \
-                or _arg(args, kwargs, 3, "inplace", False) or isinstance(p, bool) \
+                or arg(args, kwargs, 3, "inplace", False) or isinstance(p, bool) \
                 or not isinstance(p, (int, float)) or not 0.0 < p < 1.0 or args[0].dim() != 4:
             return None
         seed = draw_seed(args[0].device)
@@ -460,7 +373,7 @@ class ExplicitAttentionTracker:
     def final(self, func, args, kwargs) -> tuple[AttentionChain, torch.Tensor, str | None] | None:
         """(chain, v, reason) if `func(*args)` is the closing `probs @ v` of a chain; reason (why
         it cannot be fused: in-place ops) is None when the chain still holds."""
-        if func not in _MATMUL_OPS or len(args) < 2 or kwargs.get("out") is not None:
+        if func not in MATMUL_OPS or len(args) < 2 or kwargs.get("out") is not None:
             return None  # matmul(p, v, out=buf): the model reads buf, which the fused op would not fill
         p, v = args[0], args[1]
         chain = self._current(p)

@@ -16,6 +16,8 @@ interpreter give the same bits on any device: a plan made on CPU runs the same m
 The seed is a 0-d int64 tensor drawn from torch's generator once per attention call, so the op
 stays deterministic given its inputs and can be recomputed by a checkpointing plan.
 """
+# `tl` in dropout_keep_tl is bound when attention.launch jits it (see attention.kernels)
+# ruff: noqa: F821
 from __future__ import annotations
 
 import torch
@@ -60,8 +62,9 @@ def dropout_keep_mask(seed: torch.Tensor | int, b_h: tuple[int, int], sq: int, r
 
 
 def dropout_keep_tl(seed, bh, offs_m, offs_n, SQ, THRESH):
-    """The same mask inside a Triton kernel (jitted lazily next to the kernels): `offs_m` and
-    `offs_n` broadcast against each other ([M, 1] and [1, N], or transposed)."""
+    """The same mask inside a Triton kernel: `offs_m` and `offs_n` broadcast against each other
+    ([M, 1] and [1, N], or transposed). A plain function naming `tl` as a free global, jitted per
+    mode by `attention.launch` like the kernel bodies (see `attention.kernels`)."""
     x = (seed + bh * SQ + offs_m.to(tl.int64)) & 0xFFFFFFFF
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
@@ -75,9 +78,6 @@ def dropout_keep_tl(seed, bh, offs_m, offs_n, SQ, THRESH):
     x = (x * 0x846CA68B) & 0xFFFFFFFF
     x = x ^ (x >> 16)
     return (x >> 8) >= THRESH
-
-
-tl = None  # bound to triton.language by runtime.triton_attention before dropout_keep_tl is jitted
 
 
 def draw_seed(device) -> torch.Tensor:

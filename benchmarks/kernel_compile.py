@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remat.runtime import triton_attention as ta
+from remat.attention import launch
 
 __all__ = ["KernelVariant", "CompileResult", "all_variants", "compile_variant", "SM90_SHARED_LIMIT"]
 
@@ -63,7 +63,7 @@ def all_variants(head_dims=(64, 128), dtypes=(torch.bfloat16, torch.float16, tor
     out = []
     for name, dtype, d, causal, dropout in itertools.product(("fwd", "dkdv", "dq"), dtypes, head_dims,
                                                              (False, True), (False, True)):
-        configs = [ta._GPU_FP32_CONFIG[name]] if dtype == torch.float32 else ta._GPU_CONFIGS[name]
+        configs = [launch.GPU_FP32_CONFIG[name]] if dtype == torch.float32 else launch.GPU_CONFIGS[name]
         out.extend(KernelVariant(name, dtype, d, causal, dropout, c) for c in configs)
     return out
 
@@ -89,7 +89,7 @@ def _is_unit_stride(arg: str) -> bool:
 
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers, stack bytes) of the kernel in `cubin`, via the cuobjdump Triton ships."""
-    tool = os.path.join(os.path.dirname(ta.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = os.path.join(os.path.dirname(launch.import_triton().__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return None, None
     with tempfile.TemporaryDirectory() as d:
@@ -107,14 +107,14 @@ def compile_variant(v: KernelVariant, arch: int = 90) -> CompileResult:
     t0 = time.perf_counter()
     interpret = os.environ.pop("TRITON_INTERPRET", None)  # triton.jit must build compiled kernels
     try:
-        if not ta.triton_available():
+        if not launch.triton_available():
             raise RuntimeError("triton is not installed")
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        fn = ta._get_kernels(interpret=False, fp32=True)[v.kernel]  # plain jit functions, no autotuner
+        fn = launch.jit_kernels(interpret=False, fp32=True)[v.kernel]  # plain jit functions, no autotuner
         bm, bn, warps, stages = v.config
-        constexprs = dict(HEAD_DIM=v.head_dim, BLOCK_D=ta._block_d(v.head_dim),
+        constexprs = dict(HEAD_DIM=v.head_dim, BLOCK_D=launch.block_d(v.head_dim),
                           CAUSAL=v.causal, DOT_FP32=False, PREC="ieee", DROPOUT=v.dropout, BLOCK_M=bm, BLOCK_N=bn)
         # Specialise as a launch on contiguous (B, H, S, D) tensors does: the head-dim strides are 1
         # (Triton turns an int argument equal to 1 into a constant), pointers and the other
@@ -126,7 +126,7 @@ def compile_variant(v: KernelVariant, arch: int = 90) -> CompileResult:
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                  if sig[a].startswith("*") or (a.startswith("s_") and sig[a] == "i32")}
         src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
-        kernel = ta.triton.compile(src, target=GPUTarget("cuda", arch, 32),
+        kernel = launch.import_triton().compile(src, target=GPUTarget("cuda", arch, 32),
                                    options=dict(num_warps=warps, num_stages=stages))
         shared = int(kernel.metadata.shared)
         ok = shared <= SM90_SHARED_LIMIT

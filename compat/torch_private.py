@@ -1,0 +1,111 @@
+"""Every private PyTorch API remat uses, in one module, each behind a named entry point.
+
+remat works at the level torch.compile works: AOTAutograd's joint graph, its partitioner, the
+profiler's raw memory events, autograd's sequence numbers. Several of these have no public
+spelling. They are reached only through this module, so that a torch upgrade breaks in one place,
+and `tests/test_torch_private.py` checks each entry point against the installed torch, failing with
+the torch version in the message when one changed. pyproject pins torch to the versions those tests
+passed on (see `TESTED_TORCH`).
+
+Entry points (what each is for):
+* `pytree`: torch.utils._pytree, flattening the model's inputs and outputs (dataclasses, ModelOutput);
+* `disable_current_modes()`: run code with the active dispatch modes (fake tensors) switched off;
+* `disable_torch_function()`: run code with torch-function overrides (the attention router) off;
+* `tensor_base`: torch._C.TensorBase, whose descriptors (`.mT`, `.data`) the attention tracker sees;
+* `autograd_sequence_nr()`: the autograd node counter, to tie graph nodes to module paths;
+* `autocast_supported_devices()`: the device types autocast knows;
+* `backward_without_autocast()`: trace the backward with autocast off, as eager autograd runs it;
+* `aot_module_simplified`, `default_partition`, `extract_fwd_bwd_modules`: AOTAutograd's tracer
+  and partitioner;
+* `aot_raw_forward(forward)`: the function `aot_module_simplified` wrapped, which takes the
+  parameters as arguments (so replaced parameters can be passed), or None;
+* `is_input_mutation_output(desc)`: whether a joint-graph output descriptor is a mutated input;
+* `compile_session()`: hold `torch.compiler.is_compiling()` true, as torch.compile does;
+* `profiler_events(prof)`: the profiler's raw event list ([memory] events included).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.utils._pytree as pytree
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["TESTED_TORCH", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
+           "autograd_sequence_nr", "autocast_supported_devices", "backward_without_autocast",
+           "aot_module_simplified", "default_partition", "extract_fwd_bwd_modules", "aot_raw_forward",
+           "is_input_mutation_output", "compile_session", "profiler_events"]
+
+# The torch releases the tests of this module passed on (pyproject pins the same range).
+TESTED_TORCH = ((2, 13),)
+
+tensor_base = torch._C.TensorBase
+extract_fwd_bwd_modules = _extract_fwd_bwd_modules
+
+
+def disable_current_modes():
+    """A context manager that switches off the active dispatch modes (FakeTensorMode, ...)."""
+    return _disable_current_modes()
+
+
+def disable_torch_function():
+    """A context manager that switches off torch-function overrides (TorchFunctionMode, ...)."""
+    return torch._C.DisableTorchFunction()
+
+
+def autograd_sequence_nr() -> int:
+    """The sequence number the next autograd node will get (increases with every recorded op)."""
+    return torch._C._autograd._get_sequence_nr()
+
+
+def autocast_supported_devices() -> set[str]:
+    """The device types torch.autocast accepts."""
+    return set(torch._C._autocast_supported_devices())
+
+
+def backward_without_autocast():
+    """A context manager under which AOTAutograd traces the backward with autocast off (its default
+    traces it under the forward's autocast state)."""
+    return torch._functorch.config.patch(backward_pass_autocast="off")
+
+
+def aot_raw_forward(forward: Callable, params_and_buffers: list[torch.Tensor]) -> Callable | None:
+    """The function `aot_module_simplified` returned `forward` as a wrapper of (`__wrapped__`),
+    which takes one list: the parameters and buffers, then the inputs; if `forward` bound exactly
+    `params_and_buffers` (its closure's `params_buffers_flat`); else None (the caller then runs
+    `forward` with the parameters it was traced with)."""
+    raw = getattr(forward, "__wrapped__", None)
+    code = getattr(forward, "__code__", None)
+    cells = dict(zip(code.co_freevars, forward.__closure__ or ())) if code is not None else {}
+    bound = cells["params_buffers_flat"].cell_contents if "params_buffers_flat" in cells else None
+    same = (bound is not None and len(bound) == len(params_and_buffers)
+            and all(a is b for a, b in zip(bound, params_and_buffers)))
+    return raw if callable(raw) and same else None
+
+
+def is_input_mutation_output(desc) -> bool | None:
+    """Whether a joint-graph output descriptor (node.meta["desc"]) stands for a mutated input's new
+    value; None when this torch has no output descriptors."""
+    try:
+        from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+    except ImportError:
+        return None
+    return isinstance(desc, InputMutationAOTOutput)
+
+
+@contextmanager
+def compile_session() -> Iterator[None]:
+    """Hold `torch.compiler.is_compiling()` true, as torch.compile does for its whole compile
+    session (`torch.compiler._compile_session_context`)."""
+    with torch.compiler._compile_session_context():
+        yield
+
+
+def profiler_events(prof: torch.profiler.profile) -> list:
+    """The raw events of a finished profile (`prof.profiler.kineto_results.events()`): op ranges and,
+    with profile_memory=True, "[memory]" events with `nbytes()` (+ alloc, - free), `start_ns()`,
+    `device_type()`. Public `prof.events()` aggregates away the memory events' order."""
+    return list(prof.profiler.kineto_results.events())

@@ -1,0 +1,115 @@
+"""Measuring memory for real: the profiler without Kineto's noise, the peak of its memory events,
+and the bytes tensors' storages hold.
+
+Shared by workspace probing (graph_capture/workspace.py, one op at a time) and by measuring a whole
+training step (remat/measure.py), which must count bytes the same way for the simulator's
+predictions to equal the measurements: a storage counts once however many tensors view it, and the
+profiler's "[memory]" events (+ bytes allocated, - bytes freed) are summed in time order.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["quiet_profile", "memory_peak", "storage_bytes", "distinct_storage_bytes"]
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage `t` views (the whole storage, not only the part `t` covers); for a
+    tensor without a storage (sparse, some subclasses), its dense size."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 - any tensor type that has no storage to ask
+        return t.numel() * t.element_size()
+
+
+def distinct_storage_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages of `tensors` (a storage counts once however many of them
+    view it), leaving out the storages of `exclude`."""
+    seen = {t.untyped_storage().data_ptr() for t in exclude}
+    total = 0
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += storage_bytes(t)
+    return total
+
+
+def memory_peak(events: list, start_ns: int | None = None, end_ns: int | None = None) -> int:
+    """The highest running sum, in time order, of the CPU "[memory]" events among `events` (a
+    profile's raw events, `remat.compat.torch_private.profiler_events`) that start within
+    [start_ns, end_ns] (None: unbounded): the most bytes the window allocated on top of what was
+    live when it began, as an allocator without caching would hold them."""
+    cpu = torch.autograd.DeviceType.CPU
+    mem = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu
+           and (start_ns is None or e.start_ns() >= start_ns) and (end_ns is None or e.start_ns() <= end_ns)]
+    mem.sort(key=lambda e: e.start_ns())  # stable: events of the same instant keep their order
+    live = peak = 0
+    for e in mem:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+# Kineto (the profiler's C++ side) writes these two lines to fd 2 at every start and stop, whatever
+# KINETO_LOG_LEVEL says short of also hiding its errors:
+#   USDT:2026-11-30 03:14:35 4681:4681 SyncActivityProfilerHandler.cpp:52] profiler_start
+_USDT_LINE = re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$")
+
+
+@contextmanager
+def _without_usdt_lines() -> Iterator[None]:
+    """Run the body with fd 2 sent to a temporary file, then write back to fd 2 every line except
+    Kineto's USDT start/stop markers: warnings and errors printed meanwhile stay visible."""
+    saved = None
+    try:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2 (closed): nothing to filter
+        pass
+    if saved is None:
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                if sys.stderr is not None:
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode("utf-8", "replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not _USDT_LINE.match(line))
+            data = kept.encode("utf-8")
+            while data:  # os.write may write less than asked
+                data = data[os.write(2, data):]
+
+
+@contextmanager
+def quiet_profile(**kwargs) -> Iterator[torch.profiler.profile]:
+    """`torch.profiler.profile(**kwargs)` without the "USDT ... profiler_start/stop" lines Kineto
+    prints on stderr when it starts and stops. Only the start and the stop are filtered, not the
+    code profiled, and every other line is passed through."""
+    from torch.profiler import profile
+
+    prof = profile(**kwargs)
+    with _without_usdt_lines():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _without_usdt_lines():
+            prof.__exit__(None, None, None)

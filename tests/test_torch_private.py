@@ -1,0 +1,196 @@
+"""Each private PyTorch API remat uses (remat.compat.torch_private) still does what remat relies on.
+
+One test per entry point, each on the smallest case that exercises it. A failure here means the
+installed torch changed that API: the message names the torch version and the entry point, so the
+fix goes to compat/torch_private.py (and the pin in pyproject.toml), not to the callers.
+"""
+import torch
+import torch.nn as nn
+from functorch.compile import make_boxed_func
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat.compat import torch_private as tp
+
+TORCH = torch.__version__
+
+
+def _fail(entry: str, what: str) -> str:
+    return f"torch {TORCH}: remat.compat.torch_private.{entry}: {what}; update compat/torch_private.py"
+
+
+def test_the_installed_torch_is_a_tested_release():
+    major, minor = (int(x) for x in TORCH.split("+")[0].split(".")[:2])
+    assert (major, minor) in tp.TESTED_TORCH, _fail("TESTED_TORCH", f"{major}.{minor} was never tested")
+
+
+def test_pytree_flattens_and_rebuilds_nested_outputs():
+    tree = {"a": (torch.ones(1), [torch.zeros(2)]), "b": 3}
+    leaves, spec = tp.pytree.tree_flatten(tree)
+    assert len(leaves) == 3, _fail("pytree", "tree_flatten")
+    rebuilt = tp.pytree.tree_unflatten(leaves, spec)
+    assert rebuilt["b"] == 3 and torch.equal(rebuilt["a"][1][0], torch.zeros(2)), _fail("pytree", "tree_unflatten")
+    pairs, _ = tp.pytree.tree_flatten_with_path(tree)
+    assert tp.pytree.keystr(pairs[0][0]) == "['a'][0]", _fail("pytree", "keystr / tree_flatten_with_path")
+
+
+def test_disable_current_modes_leaves_a_dispatch_mode():
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.ones(2) + 1
+        n = len(seen)
+        with tp.disable_current_modes():
+            torch.ones(2) + 1
+    assert n > 0 and len(seen) == n, _fail("disable_current_modes", "the dispatch mode still saw ops")
+
+
+def test_disable_torch_function_leaves_a_function_mode():
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        with tp.disable_torch_function():
+            torch.ones(2).add(1)
+    assert not seen, _fail("disable_torch_function", "the torch-function mode still saw calls")
+
+
+def test_tensor_base_holds_the_descriptors_the_tracker_matches():
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2, 3)
+    with Spy():
+        x.mT
+        x.data
+    wanted = {tp.tensor_base.mT.__get__, torch.Tensor.mT.__get__}
+    assert seen and seen[0] in wanted, _fail("tensor_base", f".mT reaches torch function as {seen[:1]}")
+    assert seen[1] in {tp.tensor_base.data.__get__, torch.Tensor.data.__get__}, _fail("tensor_base", ".data")
+
+
+def test_autograd_sequence_nr_counts_recorded_ops():
+    x = torch.ones(2, requires_grad=True)
+    a = tp.autograd_sequence_nr()
+    y = (x * 2).sum()
+    b = tp.autograd_sequence_nr()
+    assert b >= a + 2, _fail("autograd_sequence_nr", f"{a} -> {b} after two recorded ops")
+    assert y.grad_fn._sequence_nr() < b
+
+
+def test_autocast_supported_devices_include_cpu():
+    devs = tp.autocast_supported_devices()
+    assert {"cpu", "cuda"} <= devs, _fail("autocast_supported_devices", f"got {sorted(devs)}")
+
+
+def test_backward_without_autocast_is_a_config_patch():
+    from torch._functorch import config
+
+    before = config.backward_pass_autocast
+    with tp.backward_without_autocast():
+        assert config.backward_pass_autocast == "off", _fail("backward_without_autocast", "not applied")
+    assert config.backward_pass_autocast == before
+
+
+class _Tuple(nn.Module):
+    """aot_module_simplified takes modules that return tuples."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return (self.inner(x),)
+
+
+def _aot(model, x, compiler):
+    return tp.aot_module_simplified(model, (x,), fw_compiler=compiler, bw_compiler=compiler,
+                                    partition_fn=tp.default_partition)
+
+
+def test_aot_module_simplified_and_its_raw_forward_take_new_parameters():
+    torch.manual_seed(0)
+    model, x = _Tuple(nn.Linear(3, 2)), torch.randn(4, 3)
+    fwd = _aot(model, x, lambda gm, ex: make_boxed_func(gm))
+    params = list(model.parameters())
+    raw = tp.aot_raw_forward(fwd, params)
+    assert raw is not None, _fail("aot_raw_forward", "no __wrapped__ with params_buffers_flat in the closure")
+    new = [torch.zeros_like(p).requires_grad_() for p in params]
+    out = raw([*new, x])[0]
+    assert torch.equal(out, torch.zeros(4, 2)), _fail("aot_raw_forward", "the passed parameters were not used")
+    assert tp.aot_raw_forward(fwd, [torch.ones(1)] * len(params)) is None  # bound other tensors: refused
+
+
+def test_default_partition_and_extract_fwd_bwd_modules_split_a_joint_graph():
+    seen = {}
+
+    def partition(joint, inputs, **kw):
+        fw, bw = tp.default_partition(joint, inputs, **kw)
+        seen["n"] = kw["num_fwd_outputs"]
+        fw_outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+        saved = [n for n in joint.graph.nodes if n.name in {o.name for o in fw_outputs[kw["num_fwd_outputs"]:]}]
+        fw2, bw2 = tp.extract_fwd_bwd_modules(joint, saved, [], num_fwd_outputs=kw["num_fwd_outputs"])
+        seen["same"] = len(list(fw2.graph.nodes)) == len(list(fw.graph.nodes))
+        return fw, bw
+
+    model, x = _Tuple(nn.Sequential(nn.Linear(3, 3), nn.Tanh())), torch.randn(2, 3)
+    fwd = tp.aot_module_simplified(model, (x,), fw_compiler=lambda gm, ex: make_boxed_func(gm), partition_fn=partition)
+    fwd(x)[0].sum().backward()
+    assert seen.get("n") == 1 and seen.get("same"), _fail("default_partition/extract_fwd_bwd_modules", str(seen))
+
+
+def test_input_mutation_outputs_are_told_apart():
+    class Mut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            self.count.add_(1)
+            return (x * 2,)
+
+    descs = []
+
+    def compiler(gm, ex):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        descs.extend(out.meta.get("desc") or [])
+        return make_boxed_func(gm)
+
+    x = torch.randn(2, requires_grad=True)
+    _aot(Mut(), x, compiler)(x)
+    flags = [tp.is_input_mutation_output(d) for d in descs]
+    assert None not in flags, _fail("is_input_mutation_output", "no output descriptors in this torch")
+    assert flags.count(True) == 1, _fail("is_input_mutation_output", f"flags {flags} for {descs}")
+
+
+def test_compile_session_makes_is_compiling_true():
+    assert not torch.compiler.is_compiling()
+    with tp.compile_session():
+        assert torch.compiler.is_compiling(), _fail("compile_session", "is_compiling() stayed False")
+    assert not torch.compiler.is_compiling()
+
+
+def test_profiler_events_have_ordered_memory_events():
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        del a
+    mem = [e for e in tp.profiler_events(prof) if e.name() == "[memory]"]
+    sizes = [e.nbytes() for e in sorted(mem, key=lambda e: e.start_ns())]
+    assert (1 << 20) in sizes and -(1 << 20) in sizes, _fail("profiler_events", f"memory events {sizes}")
+    assert all(e.device_type() == torch.autograd.DeviceType.CPU for e in mem), _fail("profiler_events", "device")
