@@ -56,7 +56,7 @@ from remat.attention.spellings import (ADD_OPS, CAST_OPS, DATA_OPS, DIV_OPS, IAD
                                        IMUL_OPS, MASKED_FILL_OPS, MASK_OPS, MATMUL_OPS, MT_OPS, MUL_OPS,
                                        SOFTMAX_OPS, TRANSPOSE_OPS, WHERE_OPS, arg, at_least_as_precise,
                                        is_last_two, is_minus_inf_fill, positive_factor, version_of)
-from remat.compat.torch_private import disable_current_modes, pytree
+from remat.compat.torch_private import disable_current_modes, is_fake, pytree
 
 __all__ = ["ExplicitAttentionTracker", "AttentionChain", "version_of"]
 
@@ -99,8 +99,11 @@ class ExplicitAttentionTracker:
         for mod in model.modules():
             # masks are square in their last two dims; other buffers (running stats, rotary
             # caches) are not copied
+            # a buffer without data (meta device, fake tensor: a model planned without its memory)
+            # has no values to copy: a mask read from it is not known, so never proven causal
             small = {n: (b, b.detach().to("cpu", copy=True), version_of(b)) for n, b in mod._buffers.items()
-                     if b is not None and b.dim() >= 2 and b.shape[-1] == b.shape[-2]
+                     if b is not None and not b.is_meta and not is_fake(b)
+                     and b.dim() >= 2 and b.shape[-1] == b.shape[-2]
                      and b.numel() <= _SHADOW_MAX_NUMEL and not b.dtype.is_complex}
             if not small:
                 continue

@@ -21,7 +21,12 @@ Entry points (what each is for):
   parameters as arguments (so replaced parameters can be passed), or None;
 * `is_input_mutation_output(desc)`: whether a joint-graph output descriptor is a mutated input;
 * `compile_session()`: hold `torch.compiler.is_compiling()` true, as torch.compile does;
-* `profiler_events(prof)`: the profiler's raw event list ([memory] events included).
+* `profiler_events(prof)`: the profiler's raw event list ([memory] events included);
+* `compiled_submodules(model)`: which modules torch.compile wrapped (`torch.compile(m)`, `m.compile()`);
+* `inductor_compile(fn, inputs, is_backward)`: Inductor's compiler for one already-partitioned
+  forward or backward graph (what torch.compile runs after its own partitioner);
+* `fake_tensor_mode()`, `is_fake(t)`: a FakeTensorMode (tensors with shapes, dtypes and devices but no
+  data) to trace and plan a step without its memory, and whether a tensor is one of its fakes.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 __all__ = ["TESTED_TORCH", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
            "autograd_sequence_nr", "autocast_supported_devices", "backward_without_autocast",
            "aot_module_simplified", "default_partition", "extract_fwd_bwd_modules", "aot_raw_forward",
-           "is_input_mutation_output", "compile_session", "profiler_events"]
+           "is_input_mutation_output", "compile_session", "profiler_events", "compiled_submodules",
+           "inductor_compile", "fake_tensor_mode", "is_fake"]
 
 # The torch releases the tests of this module passed on (pyproject pins the same range).
 TESTED_TORCH = ((2, 13),)
@@ -109,3 +115,55 @@ def profiler_events(prof: torch.profiler.profile) -> list:
     with profile_memory=True, "[memory]" events with `nbytes()` (+ alloc, - free), `start_ns()`,
     `device_type()`. Public `prof.events()` aggregates away the memory events' order."""
     return list(prof.profiler.kineto_results.events())
+
+
+def compiled_submodules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules of `model` (itself: "") that torch.compile wraps: an OptimizedModule
+    (`torch.compile(module)`) or a module whose `.compile()` was called."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
+
+
+# random ops stay whole so Inductor runs them as ATen fallbacks (config.fallback_random): the masks
+# are drawn as eager draws them, where Inductor's own decomposition (rand < p) would draw others
+PLAN_FUSION_SIZE = 4  # see inductor_compile
+_KEEP_WHOLE = ("native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint")
+
+
+def inductor_compile(fn: Callable, inputs: list, is_backward: bool) -> Callable[[list], object]:
+    """Compile one partitioned forward or backward graph (`fn(*inputs)` runs it: ATen ops, no
+    autograd) with Inductor, as torch.compile compiles the graphs its own partitioner made: traced
+    again with Inductor's decompositions (`select_decomp_table`, random ops left whole), then
+    `compile_fx_inner`. `inputs` are the tensors of one call (real or fake). Returns a boxed
+    function: it takes the list of inputs and empties it, so each is freed after its last use."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    table = {op: fn for op, fn in select_decomp_table().items()
+             if getattr(getattr(op, "overloadpacket", None), "__name__", None) not in _KEEP_WHOLE}
+    decomposed = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*inputs)
+    # fused kernels of up to PLAN_FUSION_SIZE nodes: Inductor's default (64) fuses nodes far apart
+    # in the plan's order into one kernel, which keeps their buffers alive from the first to the last
+    with inductor_config.patch(fallback_random=True, max_fusion_size=PLAN_FUSION_SIZE):
+        return compile_fx_inner(decomposed, list(inputs), is_backward=is_backward)
+
+
+def fake_tensor_mode():
+    """A new FakeTensorMode (torch._subclasses.fake_tensor): tensors made under it have shapes,
+    strides, dtypes and devices but no data, and ops on them compute only those. Real tensors
+    passed to its ops are refused (allow_non_fake_inputs=False): every tensor must be made fake
+    first, so no real data is read by mistake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def is_fake(t) -> bool:
+    """Whether `t` is a FakeTensor (or a functional/autograd wrapper of one): a tensor without data."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return isinstance(t, torch.Tensor) and bool(_is_fake(t))

@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from remat.compat.torch_private import is_input_mutation_output
+from remat.graph_capture.profiling import allocation_bytes
 from remat.graph_capture.profiling import storage_bytes as _storage_bytes
 from remat.graph_capture.training_graph import Node, TrainingGraph
 from remat.graph_capture.workspace import OpProbe, probe_ops, tensors_in
@@ -143,8 +144,8 @@ def _is_tangent(n: fx.Node) -> bool:
     return n.name.startswith("tangents")  # AOTAutograd's own naming (partitioners._is_tangent)
 
 
-def _tangents(g: fx.Graph, group_of: dict[fx.Node, fx.Node],
-              aliases: set[fx.Node]) -> tuple[tuple[int, tuple[str, ...]], ...]:
+def _tangents(g: fx.Graph, group_of: dict[fx.Node, fx.Node], aliases: set[fx.Node],
+              allocator: str = "cpu") -> tuple[tuple[int, tuple[str, ...]], ...]:
     """(bytes, readers) of each tangent input of the backward. The loss's tangent is the seed
     gradient autograd's engine creates for `loss.backward()` and holds until the backward returns:
     no readers (held to the end). The tangents of other outputs are, in the step the budget covers
@@ -169,14 +170,24 @@ def _tangents(g: fx.Graph, group_of: dict[fx.Node, fx.Node],
     result = []
     for n in ts:
         held = len(ts) == 1 or n.meta["val"].dim() == 0 or returned(n)
-        result.append((_storage_bytes(n.meta["val"]), () if held else tuple(sorted(readers(n)))))
+        result.append((allocation_bytes(_storage_bytes(n.meta["val"]), allocator),
+                       () if held else tuple(sorted(readers(n)))))
     return tuple(result)
 
 
+def _allocator_of(devices: set[torch.device]) -> str:
+    """The memory model of a graph whose inputs live on `devices`: CUDA's when any is a GPU."""
+    return "cuda" if any(d.type == "cuda" for d in devices) else "cpu"
+
+
 def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "",
-                         probe: bool = True) -> JointGraphInfo:
+                         probe: bool | OpProbe = True, allocator: str | None = None) -> JointGraphInfo:
     """Group the (already dropout-split) joint graph into allocation nodes. With `probe`, each
-    op's internal workspace is measured on real tensors of the traced shapes (see workspace.py)."""
+    op's internal workspace is measured on real tensors of the traced shapes (see workspace.py);
+    an OpProbe is taken as that measurement (made by the caller, e.g. on smaller shapes).
+    `allocator` ("cpu": exact bytes; "cuda": each allocation rounded up to 512 bytes, as CUDA's
+    caching allocator counts it; default: "cuda" for a graph on a GPU) is how bytes are counted;
+    the traced, unrounded sizes are kept in the graph's meta for its fingerprint."""
     g = gm.graph
     output_node = g.output_node()
     out_args = list(output_node.args[0])
@@ -197,11 +208,12 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     resident_bytes = 0
 
     # run each op once on real tensors: its workspace, and the real size of its outputs' storages
-    probed = OpProbe()
-    if probe:
-        devices = {t.device for n in g.nodes if n.op == "placeholder" for t in tensors_in(n.meta.get("val"))}
-        if len(devices) == 1:
-            probed = probe_ops(gm, next(iter(devices)))
+    devices = {t.device for n in g.nodes if n.op == "placeholder" for t in tensors_in(n.meta.get("val"))}
+    allocator = allocator or _allocator_of(devices)
+    probed = probe if isinstance(probe, OpProbe) else OpProbe()
+    if probe is True and len(devices) == 1:
+        probed = probe_ops(gm, next(iter(devices)), allocator=allocator)
+    traced_resident = 0  # the resident bytes as traced (unrounded), for the fingerprint
 
     position = {n: i for i, n in enumerate(g.nodes)}
     for n in g.nodes:
@@ -210,7 +222,8 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
                 ref = StorageWeakRef(t.untyped_storage())
                 if ref not in resident:
                     resident.add(ref)
-                    resident_bytes += _storage_bytes(t)
+                    resident_bytes += allocation_bytes(_storage_bytes(t), allocator)
+                    traced_resident += _storage_bytes(t)
             continue
         if n.op != "call_function":
             continue
@@ -228,7 +241,9 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
                 # what the real kernel's output holds, where the probe saw it (mse_loss's 0-d loss
                 # is a view of a batch-sized buffer); the fake tensor's own size otherwise
                 real_b = real[j] if len(real) == len(refs) else None
-                storage_bytes[ref] = real_b if real_b is not None else _storage_bytes(t)
+                if real_b is None:
+                    real_b = allocation_bytes(_storage_bytes(t), allocator)
+                storage_bytes[ref] = real_b
                 if storage_bytes[ref] != _storage_bytes(t):
                     traced_excess[ref] = storage_bytes[ref] - _storage_bytes(t)
                 fresh = True
@@ -310,7 +325,12 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     meta = {"fx_nodes": sum(1 for _ in g.nodes), "num_fwd_outputs": num_fwd_outputs}
     if traced:
         meta["traced_bytes"] = traced
+    tangents = _tangents(g, group_of, set(resident_aliases), allocator)
+    if allocator != "cpu":
+        meta["allocator"] = allocator
+        if traced_resident != resident_bytes:  # the fingerprint hashes the traced bytes
+            meta["traced_resident_bytes"] = traced_resident
     tg = TrainingGraph(nodes=tuple(nodes), resident_bytes=resident_bytes, name=name, meta=meta,
-                       tangents=_tangents(g, group_of, set(resident_aliases)))
+                       tangents=tangents)
     return JointGraphInfo(gm=gm, num_fwd_outputs=num_fwd_outputs, groups=fx_groups,
                           resident_aliases=resident_aliases, graph=tg)

@@ -233,11 +233,15 @@ def _user_frame(exc: BaseException) -> str:
 
 def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
                         partition_fn: Callable[..., Any],
-                        fused_attention: bool | str = True) -> tuple[Callable, FlatSignature]:
+                        fused_attention: bool | str = True,
+                        graph_compilers: tuple[Callable, Callable] | None = None) -> tuple[Callable, FlatSignature]:
     """Trace model(*args, **kwargs) + its backward. `partition_fn(joint_gm, joint_inputs,
     num_fwd_outputs=...)` receives the joint graph and returns (forward_gm, backward_gm).
     With `fused_attention` (True/"exact", "all" or False), attention the fused op can take is traced
     as remat's flash-attention op (see remat.attention.router).
+    `graph_compilers`: AOTAutograd's (forward, backward) compilers for the partitioned graphs
+    (default: run them as they are, boxed). Modules torch.compile wrapped are traced as the eager
+    modules they wrap (`set_stance("force_eager")`): the compiler must not run inside the trace.
     Returns the compiled step (a CompiledStep taking the flat tensors) and the signature.
     Raises `error` where the partition function raised PartitionFailed(error), OutputError for an
     output no later call could return, and TraceError for anything else."""
@@ -266,10 +270,11 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
             # Hugging Face skips its data-dependent mask shortcuts (graph_capture/hf_compat.py); the
             # step checks each call runs under the autocast it was traced in, the backward without any
             autocast = AutocastState.current(step_device_types(model, flat))  # (autocast_state.py)
-            with traced_as_compiled(), backward_traced_as_eager():
+            fw_compiler, bw_compiler = graph_compilers or (_compile_identity, _compile_identity)
+            with traced_as_compiled(), backward_traced_as_eager(), torch.compiler.set_stance("force_eager"):
                 compiled = guard_autocast(
-                    CompiledStep(aot_module_simplified(step, flat, fw_compiler=_compile_identity,
-                                                       bw_compiler=_compile_identity,
+                    CompiledStep(aot_module_simplified(step, flat, fw_compiler=fw_compiler,
+                                                       bw_compiler=bw_compiler,
                                                        partition_fn=partition_with_paths), step), autocast)
     except (TraceError, OutputError):
         raise

@@ -17,7 +17,26 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["quiet_profile", "memory_peak", "storage_bytes", "distinct_storage_bytes"]
+__all__ = ["quiet_profile", "memory_peak", "storage_bytes", "distinct_storage_bytes", "ALLOCATORS",
+           "CUDA_BLOCK_BYTES", "allocation_bytes"]
+
+# How each device's allocator counts an allocation of n bytes (the memory model a graph is built
+# with): "cpu" exactly n (the profiler's memory events, what remat.measure_peak sums); "cuda" n
+# rounded up to the caching allocator's 512-byte blocks (what torch.cuda.max_memory_allocated
+# counts). The CUDA allocator can hand a large request a whole cached or new segment (up to 1 MiB
+# more, when the rest is too small to split off); that depends on the allocator's history and is
+# not modelled.
+ALLOCATORS = ("cpu", "cuda")
+CUDA_BLOCK_BYTES = 512
+
+
+def allocation_bytes(nbytes: int, allocator: str = "cpu") -> int:
+    """What `allocator` ("cpu" or "cuda", see ALLOCATORS) counts for a storage of `nbytes` bytes."""
+    if allocator == "cuda":
+        return -(-int(nbytes) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    if allocator != "cpu":
+        raise ValueError(f"unknown allocator {allocator!r}: one of {ALLOCATORS}")
+    return int(nbytes)
 
 
 def storage_bytes(t: torch.Tensor) -> int:

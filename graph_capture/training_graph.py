@@ -133,7 +133,10 @@ class TrainingGraph:
         Workspace bytes are measured on the machine and are left out, so a plan made on one
         machine deploys on another (the runtime re-simulates it there); so are output storages the
         real kernels make larger than traced: for those nodes `meta["traced_bytes"]` holds the
-        traced [out_bytes, kept_bytes], which are hashed instead."""
+        traced [out_bytes, kept_bytes], which are hashed instead. Likewise a graph whose bytes are
+        counted as CUDA's allocator counts them (each allocation rounded up to 512 bytes) hashes
+        its traced bytes (`traced_bytes`, and `meta["traced_resident_bytes"]` for the resident
+        ones), so a plan made for a GPU deploys on the same graph traced on a CPU and back."""
         import hashlib
 
         traced = self.meta.get("traced_bytes", {})
@@ -142,7 +145,7 @@ class TrainingGraph:
             out_b, kept_b = traced.get(n.name, (n.out_bytes, n.kept_bytes))
             h.update(f"{n.name}|{n.op}|{n.inputs}|{out_b}|{kept_b}|"
                      f"{n.is_backward}|{n.is_random};".encode())
-        h.update(str(self.resident_bytes).encode())
+        h.update(str(self.meta.get("traced_resident_bytes", self.resident_bytes)).encode())
         return h.hexdigest()[:16]
 
     # ---- (de)serialisation -------------------------------------------------------------------

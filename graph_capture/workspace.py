@@ -13,19 +13,30 @@ The same run records the real size of each output's storage: a kernel may return
 larger buffer it allocated, which the trace's fake tensors do not show (CPU `mse_loss` returns its
 0-d mean as a view of the elementwise squared error: the loss holds batch x features x 4 bytes,
 not 4). The graph must count what the real output holds.
+
+Planning without the memory, `probe_ops(..., limits=...)`: ops too large to run at their traced
+shapes are measured on smaller ones and scaled, ops that cannot run here get formulas
+(graph_capture/scaled_workspace.py). Each op's arguments are made just before it runs and dropped
+after it, so the probe holds one op's tensors at a time.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, record_function
 
 from remat.compat.torch_private import disable_current_modes, profiler_events
-from remat.graph_capture.profiling import distinct_storage_bytes, memory_peak, quiet_profile, storage_bytes
+from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peak, quiet_profile,
+                                           storage_bytes)
 
-__all__ = ["OpProbe", "probe_ops", "tensors_in"]
+if TYPE_CHECKING:
+    from remat.graph_capture.scaled_workspace import ProbeLimits
+
+__all__ = ["OpProbe", "Case", "probe_ops", "tensors_in", "run_cases", "real_args", "op_groups"]
 
 
 def _real(v, device: torch.device):
@@ -67,16 +78,25 @@ def tensors_in(out) -> list[torch.Tensor]:
     return []
 
 
-def _storages(out, inputs) -> tuple[int | None, ...]:
+def _storages(out, inputs, allocator: str = "cpu") -> tuple[int | None, ...]:
     """Real storage bytes of each output tensor; None where it is an input's storage (a view)."""
     held = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
-    return tuple(None if t.untyped_storage().data_ptr() in held else storage_bytes(t)
+    return tuple(None if t.untyped_storage().data_ptr() in held else allocation_bytes(storage_bytes(t), allocator)
                  for t in tensors_in(out))
 
 
-def _out_bytes(out, inputs) -> int:
+def _out_bytes(out, inputs, allocator: str = "cpu") -> int:
     """Bytes of the distinct storages the op's result holds that are not its inputs'."""
-    return distinct_storage_bytes(tensors_in(out), exclude=tensors_in(inputs))
+    if allocator == "cpu":
+        return distinct_storage_bytes(tensors_in(out), exclude=tensors_in(inputs))
+    seen = {t.untyped_storage().data_ptr() for t in tensors_in(inputs)}
+    total = 0
+    for t in tensors_in(out):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += allocation_bytes(storage_bytes(t), allocator)
+    return total
 
 
 @dataclass
@@ -86,77 +106,122 @@ class OpProbe:
     workspace: dict[str, int] = field(default_factory=dict)  # bytes beyond the outputs while it runs
     # real storage bytes of each tensor output, in `tensors_in` order; None: an input's storage
     out_storages: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
+    # ops not measured at their traced shapes, one entry per op signature: {"op", "nodes", "method"
+    # ("scaled", "formula" or "unmeasured"), "workspace_bytes" (each node's), ...}
+    estimated: list[dict] = field(default_factory=list)
 
 
-def probe_ops(gm: fx.GraphModule, device: torch.device, min_bytes: int | None = None) -> OpProbe:
+def probe_ops(gm: fx.GraphModule, device: torch.device | None, min_bytes: int | None = None,
+              limits: ProbeLimits | None = None, allocator: str | None = None) -> OpProbe:
     """Run every distinct op signature of `gm` once on `device`. Workspaces under `min_bytes`
     count as 0: by default none on CPU, where the profiler counts every byte exactly and the
     simulator is meant to match it, and 4 KiB on CUDA, whose allocator rounds each block up (512
-    bytes and more), so small differences there are rounding, not scratch memory."""
+    bytes and more), so small differences there are rounding, not scratch memory.
+
+    `limits` (planning without the memory): ops over them are measured on smaller shapes and
+    scaled, ops that create no storage (views) are not run, and with `device` None nothing runs:
+    ops get known formulas for `allocator`'s device, or 0; each estimate is listed in `estimated`.
+    `allocator` ("cpu", "cuda"; default: the device's type) is how storage bytes are counted."""
+    allocator = allocator or (device.type if device is not None else "cpu")
     if min_bytes is None:
-        min_bytes = 0 if device.type == "cpu" else 4096
+        min_bytes = 0 if allocator == "cpu" else 4096
     # AOTAutograd calls the partitioner with its fake-tensor mode active: step outside it
     with disable_current_modes():
-        return _probe(gm, device, min_bytes)
+        if limits is None:
+            return _probe(gm, device, min_bytes, allocator)
+        from remat.graph_capture.scaled_workspace import probe_within  # it builds on this module
+
+        return probe_within(gm, device, min_bytes, limits, allocator)
 
 
-def _probe(gm: fx.GraphModule, device: torch.device, min_bytes: int) -> OpProbe:
-    result = OpProbe()
-    if device.type not in ("cpu", "cuda"):
-        return result
+def op_groups(gm: fx.GraphModule) -> dict[tuple, list[fx.Node]]:
+    """The graph's ATen op nodes grouped by signature (op, argument shapes, strides, dtypes, constants):
+    each group is measured once."""
     todo: dict[tuple, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
             todo.setdefault(_signature(n), []).append(n)
-    cases = []
-    for sig, nodes in todo.items():
-        n = nodes[0]
-        try:
-            args = fx.node.map_arg(n.args, lambda a: _real(a.meta.get("val"), device))
-            kwargs = fx.node.map_arg(n.kwargs, lambda a: _real(a.meta.get("val"), device))
-        except Exception:
-            continue
-        cases.append((nodes, args, kwargs))
+    return todo
 
-    def record(nodes, extra: int, storages: tuple) -> None:
-        for m in nodes:
-            result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0
-            result.out_storages[m.name] = storages
 
+# A case: run `target` on what `make_args()` returns; its result lands in the dict under `key`
+Case = tuple[object, Callable, Callable[[], tuple[tuple, dict]]]
+
+
+def run_cases(cases: list[Case], device: torch.device, allocator: str) -> dict[object, tuple[int, tuple]]:
+    """key -> (bytes the op's peak rose above its inputs beyond its outputs, real output storages),
+    for each case that ran. Each case's arguments are made just before it runs and dropped after,
+    so the probe holds one op's tensors at a time."""
+    results: dict[object, tuple[int, tuple]] = {}
     if device.type == "cuda":
-        for nodes, args, kwargs in cases:
+        for key, target, make_args in cases:
+            try:
+                args, kwargs = make_args()
+            except Exception:
+                continue
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             try:
-                out = nodes[0].target(*args, **kwargs)
+                out = target(*args, **kwargs)
             except Exception:
                 continue
             torch.cuda.synchronize()
             inputs = (args, list(kwargs.values()))
-            record(nodes, torch.cuda.max_memory_allocated() - base - _out_bytes(out, inputs),
-                   _storages(out, inputs))
-            del out
-        return result
+            results[key] = (torch.cuda.max_memory_allocated() - base - _out_bytes(out, inputs, allocator),
+                            _storages(out, inputs, allocator))
+            del out, args, kwargs
+        return results
+    if device.type != "cpu":
+        return results
     outs: list[tuple[int, tuple] | None] = []
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for i, (nodes, args, kwargs) in enumerate(cases):
+        for i, (_, target, make_args) in enumerate(cases):
+            try:
+                args, kwargs = make_args()  # outside the range: the inputs are not the op's
+            except Exception:
+                outs.append(None)
+                continue
             with record_function(f"remat_probe_{i}"):
                 try:
-                    out = nodes[0].target(*args, **kwargs)
+                    out = target(*args, **kwargs)
                 except Exception:
                     outs.append(None)
                     continue
             inputs = (args, list(kwargs.values()))
             outs.append((_out_bytes(out, inputs), _storages(out, inputs)))
-            del out  # outside the range: its free is not part of the op
+            del out, args, kwargs  # outside the range: their frees are not part of the op
     events = profiler_events(prof)
     ranges = {}
     for e in events:
         if e.name().startswith("remat_probe_"):
             ranges[int(e.name().rsplit("_", 1)[1])] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    for i, (nodes, _, _) in enumerate(cases):
+    for i, (key, _, _) in enumerate(cases):
         if outs[i] is None or i not in ranges:
             continue
-        record(nodes, memory_peak(events, *ranges[i]) - outs[i][0], outs[i][1])
+        results[key] = (memory_peak(events, *ranges[i]) - outs[i][0], outs[i][1])
+    return results
+
+
+def real_args(n: fx.Node, device: torch.device) -> Callable[[], tuple[tuple, dict]]:
+    """A function making real (random) arguments of `n`'s traced shapes on `device`."""
+    def make():
+        args = fx.node.map_arg(n.args, lambda a: _real(a.meta.get("val"), device))
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: _real(a.meta.get("val"), device))
+        return args, kwargs
+
+    return make
+
+
+def _probe(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, allocator: str) -> OpProbe:
+    """Every op at its traced shapes (capture of real tensors)."""
+    result = OpProbe()
+    if device is None or device.type not in ("cpu", "cuda"):
+        return result
+    todo = op_groups(gm)
+    cases = [(sig, nodes[0].target, real_args(nodes[0], device)) for sig, nodes in todo.items()]
+    for sig, (extra, storages) in run_cases(cases, device, allocator).items():
+        for m in todo[sig]:
+            result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0
+            result.out_storages[m.name] = storages
     return result

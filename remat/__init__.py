@@ -14,12 +14,14 @@ from remat.graph_capture.joint import ParameterMismatchError
 from remat.graph_capture.outputs import OutputError
 from remat.measure import count_flops, measure_peak, resident_bytes
 from remat.runtime.module import ModeMismatchError, OutsideBudgetWarning
+from remat.plan_file import load_plan
+from remat.planning import plan
 from remat.runtime.partition import PlanMismatchError
 from remat.solver.checkmate import SolverFallbackWarning
 from remat.solver.plan import Plan, PlanFileError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 
-__all__ = ["optimize", "capture", "solve", "measure_peak", "count_flops", "resident_bytes", "Plan",
+__all__ = ["optimize", "plan", "capture", "solve", "measure_peak", "count_flops", "resident_bytes", "Plan", "load_plan",
            # the errors and warnings remat documents (README: "What remat refuses")
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",

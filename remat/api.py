@@ -1,6 +1,8 @@
 """The public entry points: capture, plan, optimize."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -8,11 +10,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.compat.torch_private import default_partition
+from remat.compat.torch_private import compiled_submodules, default_partition
 from remat.graph_capture.build import JointGraphInfo, build_training_graph, split_dropout_outputs
 from remat.graph_capture.clones import drop_redundant_clones
 from remat.graph_capture.joint import PartitionFailed, TraceError, trace_training_step
 from remat.graph_capture.training_graph import TrainingGraph
+from remat.plan_file import check_context, load_plan, plan_context, rejudge
+from remat.runtime.compile import PlannedGraphs
+from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import OutsideBudgetWarning, RematModule
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
@@ -115,35 +120,23 @@ def _smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | 
 
 
 def _rejudge(plan: Plan, graph: TrainingGraph) -> Plan:
-    """A saved plan re-simulated on the graph traced here (workspaces are measured per machine)."""
-    import dataclasses
-
-    from remat.runtime.partition import PlanMismatchError
-    from remat.solver.simulator import simulate
-
-    if plan.graph_fingerprint and plan.graph_fingerprint != graph.fingerprint():
-        raise PlanMismatchError(
-            f"the plan was made for graph {plan.graph_fingerprint}, but this model traces to "
-            f"{graph.fingerprint()} (a different model, input shape or torch version); solve again")
-    sim = simulate(graph, plan.schedule)
-    out = dataclasses.replace(plan, predicted_peak_bytes=sim.peak_bytes, total_cost=sim.total_cost,
-                              extra_cost=sim.extra_cost, extra_flops=sim.extra_flops)
-    if out.budget_bytes is not None and sim.peak_bytes > out.budget_bytes:
-        warnings.warn(f"on this machine the saved plan peaks at {sim.peak_bytes} bytes, over its budget "
-                      f"of {out.budget_bytes} bytes (op workspaces differ here); consider solving again")
-    return out
+    """A saved plan re-simulated on the graph traced here (workspaces are measured per machine);
+    PlanMismatchError naming what differs when it was made for another graph (remat/plan_file.py)."""
+    return rejudge(plan, graph)
 
 
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
-             solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | None = None,
-             fused_attention: bool | str = True, **solver_kwargs) -> RematModule:
+             solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | str | os.PathLike | None = None,
+             fused_attention: bool | str = True, solve_on_rank: int | None = None,
+             **solver_kwargs) -> RematModule:
     """Return a drop-in module whose training step peaks under the budget.
 
     The budget is the real peak of one training step, forward and backward: parameters,
     buffers, inputs, activations, temporaries and the gradients produced so far (optimizer state
     and gradients kept from earlier steps are not part of the step; zero grads with
-    set_to_none=True). Pass `plan=` (e.g. `Plan.load(path)`) to deploy a saved plan without solving.
+    set_to_none=True). Pass `plan=` (a path, or `remat.load_plan(path)`) to deploy a saved plan
+    without solving; one made for another model, input shape, device or mode is refused first.
     `fused_attention` picks which attention runs remat's flash-attention op (Triton on CUDA,
     PyTorch code on CPU), which keeps no s x s tensor: True or "exact" (default) fuses
     scaled_dot_product_attention without mask or dropout and the explicit
@@ -157,21 +150,38 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     output other than a single loss draws an OutsideBudgetWarning (what the caller does with it is
     not budgeted). Each call uses the model's current parameters (ParameterMismatchError if they
     no longer fit the traced graph); with grad enabled, a call in another train/eval mode than
-    the model's at optimize() time raises ModeMismatchError."""
+    the model's at optimize() time raises ModeMismatchError.
+    `solve_on_rank` (torch.distributed initialised, every rank calling): that rank solves and
+    broadcasts its plan, the others deploy it (README: Beyond one device). A model torch.compile
+    wrapped (`torch.compile(model)`, `.compile()`d submodules) is traced as the eager model and
+    the plan's forward and backward graphs are compiled by Inductor as they are."""
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
                         plan, fused_attention, solver_kwargs)  # before any tracing or solving
     budget = _budget(budget_gb, budget_bytes)
     if budget is None and plan is None:
         raise ValueError("give budget_gb or budget_bytes (or a saved plan=)")
     args = _as_tuple(example_inputs)
+    if plan is not None and not isinstance(plan, Plan):  # the path of a saved plan
+        plan = load_plan(plan)
+    if plan is not None:  # made for another model, shape, device or mode: refused before tracing
+        check_context(plan, model, args, example_kwargs, fused_attention)
+    context = plan_context(model, args, example_kwargs, fused_attention=fused_attention, solver=solver,
+                           solver_options={"time_limit_s": time_limit_s, **solver_kwargs})
 
     def decide(graph: TrainingGraph) -> Plan:
         if plan is not None:  # a saved plan: judge it again on this machine's graph
             return _rejudge(plan, graph)
-        return solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
+        solved = solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
+        return dataclasses.replace(solved, context=context)  # what it is for, saved with it
 
+    if solve_on_rank is not None:  # one rank solves, the others receive its plan (runtime/distributed.py)
+        decide = plan_on_one_rank(decide, _rejudge, src=solve_on_rank)
+    graphs = PlannedGraphs()
+    if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
+        graphs.use_inductor()
     planner = Planner(type(model).__name__, decide)
-    compiled, sig = trace_training_step(model, args, example_kwargs, planner, fused_attention)
+    compiled, sig = trace_training_step(model, args, example_kwargs, planner, fused_attention,
+                                        graph_compilers=graphs.compilers)
     assert planner.plan is not None
     if not sig.outputs.single_scalar:
         warnings.warn(OutsideBudgetWarning(
@@ -180,4 +190,4 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
             f"and its backward) is not part of it; outputs the backward gets no gradient for are given "
             f"zero gradients of their size. Return only the loss from the model to have all of it planned."),
             stacklevel=2)
-    return RematModule(model, compiled, sig, planner.plan, planner.graph)
+    return RematModule(model, compiled, sig, planner.plan, planner.graph, graphs)

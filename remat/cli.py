@@ -1,4 +1,7 @@
-"""Command line: `remat demo` (the main job) and `remat plan` (solve once, save the plan).
+"""Command line: `remat demo` (the main job on the built-in GPT) and `remat plan` (solve once for
+it, save the plan); for your own model (remat/cli_offline.py) `remat solve` (plan once, save the
+plan file), `remat inspect` (read it), `remat check` (deploy it here and measure) and
+`remat max-batch` (the largest batch whose plan fits).
 
 Every argument is checked while parsing, before anything is traced or solved: a bad value ends
 the run with one line on stderr (`remat demo: error: ...`) and exit code 2.
@@ -18,8 +21,10 @@ import torch
 
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.machine_info import MiB, machine
+from remat.plan_file import plan_context
 from remat.report import format_table, reference_step, run_strategy
 from remat.solver import STRATEGIES
+from remat.runtime.partition import PlanMismatchError
 from remat.solver.plan import InfeasibleBudgetError, PlanFileError
 from remat.validate import RematArgumentError
 
@@ -236,6 +241,8 @@ def plan_cmd(a: argparse.Namespace) -> int:
     except InfeasibleBudgetError as e:
         print(f"infeasible: {e}", file=sys.stderr)
         return 1
+    plan.context = plan_context(model, inputs, fused_attention=a.fused_attention, solver=a.solver,
+                                solver_options={"time_limit_s": a.time_limit})
     plan.save(a.out)
     print(f"{a.solver}: {plan.status}, predicted peak {plan.predicted_peak_bytes / MiB:.2f} MiB "
           f"(budget {budget / MiB:.2f}), extra cost {plan.extra_cost / graph.total_cost:.1%}, "
@@ -245,28 +252,35 @@ def plan_cmd(a: argparse.Namespace) -> int:
 
 def _parser() -> _Parser:
     p = _Parser(prog="remat", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,plan}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,plan,solve,inspect,check,max-batch}")
     d = sub.add_parser("demo", help="optimize the built-in GPT and compare strategies")
     _model_args(d)
     d.add_argument("--steps", type=_count, default=3, help="training steps with the optimized module")
     d.add_argument("--json", type=_output_file, default=None, help="also write the results here")
-    d.set_defaults(fn=demo, parser=d)
+    d.set_defaults(fn=demo, parser=d, check=_check_model_args)
     pl = sub.add_parser("plan", help="solve for the built-in GPT and save the plan as JSON")
     _model_args(pl)
     pl.add_argument("--solver", default="checkmate", choices=STRATEGIES)
     pl.add_argument("--out", type=_output_file, default="plan.json", help="where to save the plan (default plan.json)")
-    pl.set_defaults(fn=plan_cmd, parser=pl)
+    pl.set_defaults(fn=plan_cmd, parser=pl, check=_check_model_args)
+    from remat.cli_offline import add_commands  # (imports this module's argument types)
+
+    add_commands(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `remat demo` or `remat plan` with `argv` (None: sys.argv); returns the exit code."""
+    """Run a command (`remat demo`, `plan`, `solve`, `inspect`, `check`, `max-batch`) with `argv`
+    (None: sys.argv); returns the exit code."""
     a = _parser().parse_args(argv)
-    _check_model_args(a.parser, a)
+    a.check(a.parser, a)
     try:
         return a.fn(a)
     except (RematArgumentError, PlanFileError) as e:  # checked above already; one line all the same
         a.parser.error(str(e))
+        return 2
+    except PlanMismatchError as e:  # a plan file for another model, shape or device: what to do, one line
+        a.parser.exit(2, f"{a.parser.prog}: error: {e}\n")
         return 2
 
 

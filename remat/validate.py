@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import os
 from typing import Any
 
 __all__ = ["RematArgumentError", "RematArgumentTypeError", "budget_in_bytes", "check_optimize_args",
@@ -115,6 +116,11 @@ def _model(model: Any) -> None:
 
     if not isinstance(model, nn.Module):
         raise RematArgumentTypeError(f"model must be a torch.nn.Module, got {_kind(model)}")
+    from remat.runtime.distributed import distributed_wrapper
+
+    wrapped = distributed_wrapper(model)  # DDP(model), a sharded model: the other order is the supported one
+    if wrapped:
+        raise RematArgumentError(wrapped)
 
 
 def _example_inputs(example_inputs: Any, example_kwargs: Any) -> None:
@@ -162,8 +168,8 @@ def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_i
 
     check_capture_args(model, example_inputs, example_kwargs, fused_attention)
     budget = budget_in_bytes(budget_gb, budget_bytes)
-    if plan is not None and not isinstance(plan, Plan):
-        raise RematArgumentTypeError(f"plan must be a remat.Plan (e.g. remat.Plan.load(path)), got {_kind(plan)}")
+    if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
+        raise RematArgumentTypeError(f"plan must be a remat.Plan or the path of a saved plan, got {_kind(plan)}")
     if budget is None and plan is None:
         raise RematArgumentError("give budget_gb or budget_bytes (or a saved plan=)")
     _solver(solver, solver_kwargs or {})

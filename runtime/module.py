@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from remat.graph_capture.joint import FlatSignature
 from remat.graph_capture.training_graph import TrainingGraph
+from remat.runtime.compile import PlannedGraphs
 from remat.solver.plan import Plan
 
 __all__ = ["RematModule", "ModeMismatchError", "OutsideBudgetWarning"]
@@ -39,7 +40,7 @@ class RematModule(nn.Module):
     replaced later (`load_state_dict(sd, assign=True)`) are the ones the step uses and trains."""
 
     def __init__(self, model: nn.Module, compiled_step: Callable, signature: FlatSignature,
-                 plan: Plan, graph: TrainingGraph):
+                 plan: Plan, graph: TrainingGraph, graphs: PlannedGraphs | None = None):
         super().__init__()
         self.module = model
         # not submodules or buffers: plain attributes, invisible to state_dict and .to()
@@ -48,6 +49,19 @@ class RematModule(nn.Module):
         self.__dict__["_planned_modes"] = _modes(model)
         self.__dict__["plan"] = plan
         self.__dict__["graph"] = graph
+        self.__dict__["planned_graphs"] = graphs  # the step's forward/backward graphs (runtime/compile.py)
+
+    def adopt(self, other: "RematModule") -> None:
+        """Run `other`'s planned step from now on: another plan for the same model, traced by
+        `remat.optimize(self.module, ..., plan=...)` (e.g. once FSDP2 has sharded this module, under
+        its `unshard()`). The module, its parameters and any wrapper around this one stay as they are."""
+        if other.module is not self.module:
+            raise ValueError("adopt() takes a RematModule made for the same model (remat.optimize(self.module, ...))")
+        mine, theirs = self.planned_graphs, other.planned_graphs
+        if mine is not None and mine.inductor and theirs is not None:
+            theirs.use_inductor()  # compiled as this one was
+        for key in ("_step", "_signature", "_planned_modes", "plan", "graph", "planned_graphs"):
+            self.__dict__[key] = other.__dict__[key]
 
     def _check_mode(self) -> None:
         now = _modes(self.module)
@@ -67,8 +81,13 @@ class RematModule(nn.Module):
             f"remat.optimize on the model in the mode you train it in")
 
     def forward(self, *args, **kwargs):
-        if not torch.is_grad_enabled():  # inference: nothing to plan
+        if not torch.is_grad_enabled():  # inference: nothing to plan (compiled as usual under torch.compile)
             return self.module(*args, **kwargs)
+        if torch.compiler.is_dynamo_compiling():  # torch.compile traces this call: see _step_under_compile
+            return _step_under_compile(self, args, kwargs)
+        return self._planned_step(args, kwargs)
+
+    def _planned_step(self, args: tuple, kwargs: dict):
         self._check_mode()
         flat = self._signature.flatten(args, kwargs)
         return self._signature.rebuild_outputs(self._step(*flat))
@@ -90,3 +109,16 @@ class RematModule(nn.Module):
         p = self.plan
         return (f"strategy={p.strategy}, predicted_peak={p.predicted_peak_bytes / 2**20:.1f} MiB, "
                 f"extra_cost={p.extra_cost / max(self.graph.total_cost, 1):.1%}")
+
+
+@torch.compiler.disable(reason="remat's planned step is a graph break by design: it is already partitioned "
+                        "into the plan's forward and backward, and retracing it would let the compiler's "
+                        "partitioner choose what to save again; Inductor compiles its two graphs as they are "
+                        "(remat.runtime.compile). fullgraph=True cannot hold it: compile without fullgraph, or "
+                        "pass the compiled model to remat.optimize(torch.compile(model), ...)")
+def _step_under_compile(module: RematModule, args: tuple, kwargs: dict):
+    """The planned step, called from code torch.compile compiled (Dynamo breaks the graph here):
+    its forward and backward graphs are compiled by Inductor at their first call, as they are."""
+    if module.planned_graphs is not None:
+        module.planned_graphs.use_inductor()
+    return module._planned_step(args, kwargs)

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from remat.compat.torch_private import extract_fwd_bwd_modules
 from remat.graph_capture.build import JointGraphInfo
+from remat.runtime.compile import RECOMPUTED
 from remat.solver.plan import Plan
 
 __all__ = ["scheduled_joint_graph", "partition_with_plan", "PlanMismatchError"]
@@ -36,9 +37,11 @@ def scheduled_joint_graph(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphMod
     latest: dict[fx.Node, fx.Node] = {}
     is_bwd: dict[fx.Node, bool] = {}
 
-    def copy(n: fx.Node, backward: bool) -> None:
+    def copy(n: fx.Node, backward: bool, recomputed: bool = False) -> None:
         c = new.node_copy(n, lambda a: latest[a])
         c.meta = dict(n.meta)
+        if recomputed:  # a value computed again (counted under torch.compile: runtime/compile.py)
+            c.meta[RECOMPUTED] = True
         # strict placement: without it the extraction would also copy into the backward any
         # forward node whose inputs happen to be saved, and fx keeps random ops even when unused
         c.meta["partitioner_tag"] = "must_be_in_backward" if backward else "must_be_in_forward"
@@ -54,9 +57,11 @@ def scheduled_joint_graph(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphMod
     for n in info.resident_aliases:  # views of parameters/inputs: free, emitted once up front
         copy(n, any(is_bwd[latest[a]] for a in n.all_input_nodes))
     boundary = _forward_boundary(info, plan.schedule)
+    seen: set[str] = set()
     for step, name in enumerate(plan.schedule):
         for n in info.groups[name]:
-            copy(n, step > boundary)
+            copy(n, step > boundary, name in seen)
+        seen.add(name)
     out = old.output_node()
     new_out = new.output(fx.node.map_arg(out.args[0], lambda a: latest[a]))
     new_out.meta = dict(out.meta)

@@ -5,7 +5,7 @@ from remat.solver.simulator import ScheduleError, SimResult, simulate
 __all__ = ["Plan", "InfeasibleBudgetError", "plan_from_schedule", "simulate", "SimResult",
            "ScheduleError", "STRATEGIES", "get_solver"]
 
-STRATEGIES = ("checkmate", "keep_all", "equal_spacing")
+STRATEGIES = ("checkmate", "keep_all", "equal_spacing", "chen_greedy", "per_block", "selective", "revolve")
 
 
 def get_solver(name: str):

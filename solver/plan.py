@@ -1,6 +1,19 @@
-"""Plan: what a solver decides, in a form that can be saved, loaded and deployed later."""
+"""Plan: what a solver decides, in a form that can be saved, loaded and deployed later.
+
+The plan file (schema version 2, `Plan.save` / `Plan.load`) is JSON, never a pickle: one line per
+top-level key, first what a reader wants (format, schema_version, strategy, budget, predicted peak,
+cost, bound, gap, status, context: the model, inputs, device, torch version and solver options it
+was made for, filled in by remat/plan_file.py), then the per-module summary (solver/plan_summary.py),
+the schedule and the TrainingGraph it was solved on. With its graph the file checks itself when it
+is loaded: the graph must have the fingerprint the plan names, the schedule must run on it
+(`simulate`) and give the peak the file states, so an edited or damaged file is refused with one
+line saying what is wrong (PlanFileError), never deployed. Files of schema version 1 (written
+before versions were recorded: no context, no graph) still load; a version this remat does not
+know is refused with the advice to solve again.
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -11,7 +24,12 @@ from pathlib import Path
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.simulator import simulate
 
-__all__ = ["Plan", "plan_from_schedule", "InfeasibleBudgetError", "PlanFileError"]
+__all__ = ["Plan", "plan_from_schedule", "InfeasibleBudgetError", "PlanFileError", "PlanFileNotFoundError",
+           "SCHEMA_VERSION", "FORMAT"]
+
+SCHEMA_VERSION = 2  # of the plan file; 1: the files written before it was recorded (no version key)
+FORMAT = "remat plan"  # the file's "format" key, so a foreign JSON file is named as such
+_SOLVE_AGAIN = "solve again (remat solve, or remat.optimize with a budget) and save the new plan"
 
 
 class InfeasibleBudgetError(ValueError):
@@ -47,8 +65,14 @@ class Plan:
     status: str  # "optimal", "feasible" (gap below), "heuristic", or "infeasible"
     solve_time_s: float = 0.0
     gap: float | None = None  # relative MIP gap certified by the solver (0 when optimal)
+    lower_bound: float | None = None  # proven lower bound on the optimal extra cost at this budget
     graph_fingerprint: str = ""  # TrainingGraph.fingerprint() of the graph it was made for
     details: dict = field(default_factory=dict)  # strategy-specific numbers (coarse size, k, ...)
+    # what it was made for: model, parameters, inputs, device, torch version, solver options
+    # (remat/plan_file.py fills it in; empty for plans that never left a solver)
+    context: dict = field(default_factory=dict)
+    # the graph `schedule` was judged on (plan_from_schedule sets it); saved with the plan
+    graph: TrainingGraph | None = field(default=None, repr=False, compare=False)
 
     @property
     def recomputed(self) -> dict[str, list[int]]:
@@ -65,19 +89,45 @@ class Plan:
     def fits(self) -> bool:
         return self.budget_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
 
+    def to_dict(self) -> dict:
+        """The plan file's content (schema version SCHEMA_VERSION): the summary first, then the
+        per-module summary, the schedule and the graph."""
+        from remat.solver.plan_summary import module_summary
+
+        d = {"format": FORMAT, "schema_version": SCHEMA_VERSION}
+        plain = asdict(dataclasses.replace(self, graph=None))
+        del plain["graph"]
+        schedule = plain.pop("schedule")
+        d.update(plain)
+        if self.graph is not None:
+            d["modules"] = module_summary(self.graph, self.schedule)
+        d["schedule"] = schedule
+        if self.graph is not None:
+            d["graph"] = self.graph.to_dict()
+        return d
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """The plan file's text: one line per top-level key (readable with head or grep)."""
+        d = self.to_dict()
+        return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items()) + "\n}"
 
     @classmethod
     def from_json(cls, s: str, source: str = "the plan JSON") -> "Plan":
-        """The Plan `s` holds; PlanFileError (naming `source`) when it is not valid JSON of a Plan."""
+        """The Plan `s` holds; PlanFileError (naming `source`) when it is not valid JSON of a Plan,
+        of another schema version, or when its schedule does not run on its own graph."""
         if not s.strip():
             raise PlanFileError(f"{source} is empty: not a saved plan")
         try:
             data = json.loads(s)
         except json.JSONDecodeError as e:
-            raise PlanFileError(f"{source} is not valid JSON ({e}); was it truncated? Save the plan again") from None
-        return cls(**_checked_fields(data, source))
+            raise PlanFileError(f"{source} is not valid JSON ({e}); was it truncated? Save the plan again, "
+                                f"or {_SOLVE_AGAIN}") from None
+        data = _unwrapped(data, source)
+        graph_data = data.pop("graph", None) if isinstance(data, dict) else None
+        plan = cls(**_checked_fields(data, source))
+        if graph_data is not None:
+            plan.graph = _own_graph(plan, graph_data, source)
+        return plan
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON, atomically: a temporary file in the same folder renamed over
@@ -113,7 +163,9 @@ class Plan:
             raise PlanFileError(f"plan file {str(path)!r} is a directory, not a saved plan") from None
         except UnicodeDecodeError:
             raise PlanFileError(f"plan file {str(path)!r} is not text: not a saved plan") from None
-        return cls.from_json(text, source=f"plan file {str(path)!r}")
+        plan = cls.from_json(text, source=f"plan file {str(path)!r}")
+        plan.loaded_from = str(path)  # not a field: lets later checks name the file
+        return plan
 
 
 def _is_int(x) -> bool:
@@ -138,7 +190,54 @@ _FIELD_CHECKS = {
     "gap": (lambda x: x is None or _is_num(x), "a number or null"),
     "graph_fingerprint": (lambda x: isinstance(x, str), "a string"),
     "details": (lambda x: isinstance(x, dict), "an object"),
+    "lower_bound": (lambda x: x is None or (_is_num(x) and not math.isnan(x)), "a number or null"),
+    "context": (lambda x: isinstance(x, dict), "an object"),
 }
+
+
+def _unwrapped(data, source: str):
+    """The plan's fields from a parsed plan file: its format and schema version checked and
+    dropped, with the derived per-module summary (recomputed from the graph whenever needed)."""
+    if not isinstance(data, dict):
+        return data  # _checked_fields names what it is
+    data = dict(data)
+    fmt = data.pop("format", FORMAT)
+    if fmt != FORMAT:
+        raise PlanFileError(f"{source} is a {fmt!r} file, not a {FORMAT!r} file: not a saved plan")
+    version = data.pop("schema_version", 1)
+    if not (_is_int(version) and version in (1, SCHEMA_VERSION)):
+        what = f"schema version {version!r}" if _is_int(version) else f"an invalid schema version {version!r:.40}"
+        raise PlanFileError(f"{source} has {what}; this remat reads versions 1 to {SCHEMA_VERSION}: "
+                            f"{_SOLVE_AGAIN} with this remat, or deploy it with the remat that wrote it")
+    if version == 1 and ("graph" in data or "context" in data):
+        raise PlanFileError(f"{source} has no schema_version but holds a graph or context: it was edited; {_SOLVE_AGAIN}")
+    modules = data.pop("modules", [])
+    if not isinstance(modules, list):
+        raise PlanFileError(f"{source} is not a valid plan: modules must be a list, got {modules!r:.80}")
+    return data
+
+
+def _own_graph(plan: "Plan", graph_data, source: str) -> TrainingGraph:
+    """The graph saved with `plan`, after checking that the plan is what it says on that graph:
+    the graph has the plan's fingerprint, the schedule runs on it and peaks where the file says."""
+    from remat.solver.simulator import ScheduleError
+
+    try:
+        graph = TrainingGraph.from_dict(graph_data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PlanFileError(f"{source} holds a damaged graph ({type(e).__name__}: {e}); {_SOLVE_AGAIN}") from None
+    if graph.fingerprint() != plan.graph_fingerprint:
+        raise PlanFileError(f"{source}: its graph has fingerprint {graph.fingerprint()}, but the plan names "
+                            f"{plan.graph_fingerprint!r}: the file was edited or damaged; {_SOLVE_AGAIN}")
+    try:
+        sim = simulate(graph, plan.schedule)
+    except ScheduleError as e:
+        raise PlanFileError(f"{source}: its schedule cannot run on its graph: {e}; the schedule was edited "
+                            f"or damaged: {_SOLVE_AGAIN}") from None
+    if sim.peak_bytes != plan.predicted_peak_bytes:
+        raise PlanFileError(f"{source} says its schedule peaks at {plan.predicted_peak_bytes} bytes, but on its "
+                            f"graph the schedule peaks at {sim.peak_bytes} bytes: the file was edited; {_SOLVE_AGAIN}")
+    return graph
 
 
 def _checked_fields(data, source: str) -> dict:
@@ -168,4 +267,4 @@ def plan_from_schedule(graph: TrainingGraph, schedule: list[str], *, strategy: s
                 predicted_peak_bytes=sim.peak_bytes, total_cost=sim.total_cost,
                 extra_cost=sim.extra_cost, extra_flops=sim.extra_flops, status=status,
                 solve_time_s=solve_time_s, gap=gap, graph_fingerprint=graph.fingerprint(),
-                details=dict(details or {}))
+                details=dict(details or {}), graph=graph)

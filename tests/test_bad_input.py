@@ -73,7 +73,7 @@ OPTIMIZE_CASES = [
     (dict(budget_gb=1, fused_attention=None), RematArgumentError, "fused_attention must be True, False, 'exact'"),
     (dict(budget_gb=1, example_kwargs=[1]), RematArgumentTypeError, "example_kwargs must be a dict"),
     (dict(budget_gb=1, example_kwargs={1: X}), RematArgumentTypeError, "example_kwargs' keys must be argument names"),
-    (dict(budget_gb=1, plan="plan.json"), RematArgumentTypeError, "plan must be a remat.Plan (e.g. remat.Plan.load"),
+    (dict(budget_gb=1, plan=42), RematArgumentTypeError, "plan must be a remat.Plan or the path of a saved plan"),
     (dict(budget_gb=1, time_limit=5), RematArgumentError, "solver 'checkmate' takes no option time_limit"),
     (dict(budget_gb=1, solver="keep_all", coarsen_to=10), RematArgumentError,
      "solver 'keep_all' takes no option coarsen_to"),

@@ -52,7 +52,7 @@ BAD = [
     (["plan", "--out", "/nonexistent/dir/p.json"], "argument --out: the directory '/nonexistent/dir' does not exist"),
     (["plan", "--solver", "magic"], "argument --solver: invalid choice: 'magic'"),
     (["plan", "--bogus"], "unrecognized arguments: --bogus"),
-    ([], "required: {demo,plan}"),
+    ([], "required: {demo,plan,solve,inspect,check,max-batch}"),
 ]
 
 

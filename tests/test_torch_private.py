@@ -194,3 +194,22 @@ def test_profiler_events_have_ordered_memory_events():
     sizes = [e.nbytes() for e in sorted(mem, key=lambda e: e.start_ns())]
     assert (1 << 20) in sizes and -(1 << 20) in sizes, _fail("profiler_events", f"memory events {sizes}")
     assert all(e.device_type() == torch.autograd.DeviceType.CPU for e in mem), _fail("profiler_events", "device")
+
+
+def test_fake_tensor_mode_makes_tensors_without_data():
+    mode = tp.fake_tensor_mode()
+    with mode:
+        x = torch.empty_strided((4, 8), (1, 4), dtype=torch.float32, device="cpu")
+        y = x.t() @ torch.empty(4, 3)
+    assert tuple(y.shape) == (8, 3) and y.device.type == "cpu", _fail("fake_tensor_mode", "shapes or devices")
+    assert x.stride() == (1, 4), _fail("fake_tensor_mode", "empty_strided lost its strides")
+    assert tp.is_fake(x) and tp.is_fake(y), _fail("is_fake", "a FakeTensor is not recognised")
+    assert not tp.is_fake(torch.ones(2)) and not tp.is_fake(torch.empty(2, device="meta")) \
+        and not tp.is_fake(3), _fail("is_fake", "a real or meta tensor (or no tensor) is taken for a fake")
+    try:
+        with mode:
+            x + torch.ones(8, 4)  # a real tensor in a fake op: refused, never read
+    except Exception:
+        pass
+    else:
+        raise AssertionError(_fail("fake_tensor_mode", "real tensors are accepted as inputs"))

@@ -1,0 +1,110 @@
+"""The planned step under torch.compile: the plan's graphs compiled by Inductor, never re-partitioned.
+
+remat's runtime hands AOTAutograd a forward and a backward graph that already hold the plan: what
+the forward saves, and the recomputations (copies of forward nodes) in the backward. torch.compile
+would trace the model again and let its own partitioner (min-cut) choose what to save, undoing the
+plan. So a step runs under torch.compile like this:
+
+* `torch.compile(remat_module)` / `remat_module.compile()`: Dynamo does not trace into the planned
+  step (it is a `torch.compiler.disable`d call, a graph break: code around it is compiled); the
+  step's two graphs are compiled by Inductor at their first call (`PlannedGraphs.use_inductor`).
+* `remat.optimize(torch.compile(model))`, or a model with `.compile()`d submodules: remat traces the
+  eager modules (the compiler must not run inside remat's trace) and Inductor compiles the planned
+  graphs.
+
+Either way Inductor receives the partitioned graphs, as torch.compile hands it the graphs of its
+own partitioner: it fuses and schedules inside each graph, and cannot move a value across the
+forward/backward boundary, so what is saved and what is recomputed stays the plan's
+(`PlannedGraphs.recomputed_nodes` counts the recomputations in the backward it compiles). Fusion does
+change when buffers are freed inside a graph, so the compiled step's peak is measured, not
+simulated to the byte (README, "Beyond one device"). Random ops run as ATen fallbacks
+(`fallback_random`), so dropout masks are eager's.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch.fx as fx
+
+from remat.compat.torch_private import inductor_compile
+from remat.graph_capture.joint import _compile_identity
+
+__all__ = ["PlannedGraphs", "GraphRunner", "RECOMPUTED"]
+
+RECOMPUTED = "remat_recomputed"  # node.meta key the runtime sets on recomputations in the backward
+
+
+class GraphRunner:
+    """One partitioned graph (forward or backward), called with AOTAutograd's boxed convention:
+    it takes the list of its inputs and empties it, so each input (a saved activation, in the
+    backward) is freed after its last use. It runs the fx code as it is until `use_inductor()`;
+    then its next call compiles it with Inductor (on that call's inputs) and runs the compiled code."""
+
+    _boxed_call = True  # AOTAutograd passes the input list itself
+
+    def __init__(self, gm: fx.GraphModule, is_backward: bool):
+        self.gm = gm
+        self._eager = _compile_identity(gm, None)  # the fx code, boxed
+        self.is_backward = is_backward
+        self.inductor = False
+        self.compiled: Callable | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def recomputed_nodes(self) -> int:
+        """Nodes of this graph that recompute a forward value (the plan's recomputations)."""
+        return sum(1 for n in self.gm.graph.nodes if n.meta.get(RECOMPUTED))
+
+    def __call__(self, args: list):
+        if not self.inductor:
+            return self._eager(args)
+        if self.compiled is None:
+            with self._lock:
+                if self.compiled is None:
+                    gm = self.gm
+                    self.compiled = inductor_compile(lambda *a: gm(list(a)), list(args),
+                                                     is_backward=self.is_backward)
+        return self.compiled(args)
+
+
+class PlannedGraphs:
+    """AOTAutograd's forward and backward compilers for one planned step (`compilers`), and the
+    runners they made: `use_inductor()` switches both to Inductor (compiled at their next call)."""
+
+    def __init__(self):
+        self.forward: GraphRunner | None = None
+        self.backward: GraphRunner | None = None
+        self.inductor = False
+
+    def _forward_compiler(self, gm: fx.GraphModule, example_inputs) -> GraphRunner:
+        self.forward = GraphRunner(gm, is_backward=False)
+        self.forward.inductor = self.inductor
+        return self.forward
+
+    def _backward_compiler(self, gm: fx.GraphModule, example_inputs) -> GraphRunner:
+        self.backward = GraphRunner(gm, is_backward=True)
+        self.backward.inductor = self.inductor
+        return self.backward
+
+    @property
+    def compilers(self) -> tuple[Callable, Callable]:
+        """(forward compiler, backward compiler), for trace_training_step."""
+        return self._forward_compiler, self._backward_compiler
+
+    def use_inductor(self) -> None:
+        """Compile both graphs with Inductor at their next call (once; later calls reuse them)."""
+        self.inductor = True
+        for r in (self.forward, self.backward):
+            if r is not None:
+                r.inductor = True
+
+    @property
+    def compiled(self) -> bool:
+        """Whether both graphs run Inductor's code now."""
+        return all(r is not None and r.compiled is not None for r in (self.forward, self.backward))
+
+    @property
+    def recomputed_nodes(self) -> int:
+        """Recomputations in the backward graph, the one Inductor compiles (0 before the trace)."""
+        return self.backward.recomputed_nodes if self.backward is not None else 0
