@@ -1,7 +1,7 @@
 """The torch calls and values the explicit-attention tracker (`attention.pattern`) recognises.
 
 A TorchFunctionMode sees a Tensor method as either Tensor's Python wrapper or TensorBase's C method,
-so each spelling is a set of callables (`_ops`). The small predicates below decide whether an
+so each spelling is a set of callables (`torch_callables`). The small predicates below decide whether an
 argument is a scale, a causal fill value or a precise-enough cast; `version_of` reads the version
 counter that proves a tensor unchanged.
 """
@@ -14,13 +14,14 @@ import torch.nn.functional as F
 
 from remat.compat.torch_private import tensor_base
 
-__all__ = ["version_of", "arg", "is_last_two", "positive_factor", "at_least_as_precise", "is_minus_inf_fill",
+__all__ = ["torch_callables", "version_of",
+           "arg", "is_last_two", "positive_factor", "at_least_as_precise", "is_minus_inf_fill",
            "MASK_OPS", "TRANSPOSE_OPS", "MT_OPS", "MATMUL_OPS", "MUL_OPS", "DIV_OPS", "MASKED_FILL_OPS",
            "ADD_OPS", "IMUL_OPS", "IDIV_OPS", "IMASKED_FILL_OPS", "IADD_OPS", "SOFTMAX_OPS", "WHERE_OPS",
            "CAST_OPS", "DATA_OPS"]
 
 
-def _ops(*names: str, funcs: tuple = ()) -> frozenset:
+def torch_callables(*names: str, funcs: tuple = ()) -> frozenset:
     """The callables a TorchFunctionMode sees for these Tensor methods (Tensor's own Python
     wrappers and TensorBase's C methods) plus the given functions."""
     found = set(funcs)
@@ -32,7 +33,7 @@ def _ops(*names: str, funcs: tuple = ()) -> frozenset:
 
 
 # ops that build masks: replayed on the shadows, cheap and deterministic (none of them in place)
-MASK_OPS = _ops("__getitem__", "__invert__", "logical_not", "bitwise_not", "__eq__", "__ne__", "__lt__",
+MASK_OPS = torch_callables("__getitem__", "__invert__", "logical_not", "bitwise_not", "__eq__", "__ne__", "__lt__",
                  "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt", "ge", "tril", "triu", "view",
                  "reshape", "unsqueeze", "expand", "bool", "to", "float", "__and__", "__or__", "logical_and",
                  "logical_or", "t", "transpose", "masked_fill", "__mul__", "__rmul__", "mul", "__sub__",
@@ -41,21 +42,21 @@ MASK_OPS = _ops("__getitem__", "__invert__", "logical_not", "bitwise_not", "__eq
                         torch.ge, torch.tril, torch.triu, torch.ones, torch.zeros, torch.ones_like,
                         torch.zeros_like, torch.full, torch.arange, torch.logical_and, torch.logical_or,
                         torch.masked_fill, torch.where, torch.mul, torch.sub))
-TRANSPOSE_OPS = _ops("transpose", funcs=(torch.transpose,))
+TRANSPOSE_OPS = torch_callables("transpose", funcs=(torch.transpose,))
 MT_OPS = frozenset({torch.Tensor.mT.__get__, tensor_base.mT.__get__})
-MATMUL_OPS = _ops("__matmul__", "matmul", funcs=(torch.matmul,))
-MUL_OPS = _ops("__mul__", "__rmul__", "mul", funcs=(torch.mul,))
-DIV_OPS = _ops("__truediv__", "div", funcs=(torch.div,))
-MASKED_FILL_OPS = _ops("masked_fill", funcs=(torch.masked_fill,))
-ADD_OPS = _ops("__add__", "__radd__", "add", funcs=(torch.add,))
+MATMUL_OPS = torch_callables("__matmul__", "matmul", funcs=(torch.matmul,))
+MUL_OPS = torch_callables("__mul__", "__rmul__", "mul", funcs=(torch.mul,))
+DIV_OPS = torch_callables("__truediv__", "div", funcs=(torch.div,))
+MASKED_FILL_OPS = torch_callables("masked_fill", funcs=(torch.masked_fill,))
+ADD_OPS = torch_callables("__add__", "__radd__", "add", funcs=(torch.add,))
 # the in-place spellings understood exactly (the op is applied to args[0], which is returned)
-IMUL_OPS = _ops("__imul__", "mul_")
-IDIV_OPS = _ops("__itruediv__", "__idiv__", "div_")
-IMASKED_FILL_OPS = _ops("masked_fill_")
-IADD_OPS = _ops("__iadd__", "add_")
-SOFTMAX_OPS = _ops("softmax", funcs=(F.softmax, torch.softmax))
-WHERE_OPS = _ops("where", funcs=(torch.where,))  # torch.where(cond, input, other) / input.where(cond, other)
-CAST_OPS = _ops("float", "to", "type_as")
+IMUL_OPS = torch_callables("__imul__", "mul_")
+IDIV_OPS = torch_callables("__itruediv__", "__idiv__", "div_")
+IMASKED_FILL_OPS = torch_callables("masked_fill_")
+IADD_OPS = torch_callables("__iadd__", "add_")
+SOFTMAX_OPS = torch_callables("softmax", funcs=(F.softmax, torch.softmax))
+WHERE_OPS = torch_callables("where", funcs=(torch.where,))  # torch.where(cond, input, other) / input.where(cond, other)
+CAST_OPS = torch_callables("float", "to", "type_as")
 # `.data` aliases a tensor's storage under a new version counter: in-place ops through it are invisible
 DATA_OPS = frozenset({torch.Tensor.data.__get__, tensor_base.data.__get__})
 

@@ -2,7 +2,8 @@
 
     python benchmarks/compare.py [--models gpt unet resnet mobilenet] [--budgets 6] [--steps 10]
                                  [--compile-budgets 1.0 0.7 0.5 0.3] [--threads 1] [--quick]
-                                 [--out benchmarks/results]
+                                 [--no-match-peers] [--no-min-peak] [--out benchmarks/results]
+                                 [--render]
 
 For each model (the default GPT of remat.default_model, and remat.models' U-Net, ResNet and
 MobileNet) the step is captured once (remat.capture) and its budgets are swept from keep_all's
@@ -32,14 +33,14 @@ remat, the unmodified eager model for checkpoint peers, torch.compile at budget 
 rows), the predicted time ratio (1 + extra cost / step cost, remat's cost model), solve time, MIP
 gap, and whether loss and gradients equal the unmodified model's (dropout on, the same seed before
 each step; "exact" bit for bit, "ok" allclose(rtol=1e-5, atol=1e-6), else "DIFF" with the largest
-error). Compiled dropout draws its masks from inductor's own generator
-(torch._inductor.config.fallback_random is False by default), so compile rows of models with
-dropout differ from eager by design; the notes say so.
+error). Whether compiled dropout reproduces eager's masks is inductor's business
+(torch._inductor.config.fallback_random); the notes say what was observed.
 
-With `--match-peers` (default) checkmate is also solved at each peer's measured peak, so that
-"does checkmate beat the peer" compares the two at the same memory. Results per model:
-compare_<model>.csv, .md and .png (extra step time vs measured peak, one curve per strategy)
-under `--out`. `--quick` (a smoke test, under 2 minutes): tiny models, 3 budgets, checkmate with a
+Checkmate is also solved at each peer's measured peak (`--no-match-peers` skips it), and each .md
+ends with "checkmate against each peer": the two at the same memory, measured extra FLOPs, peak,
+gradients and time. Results per model: compare_<model>.csv (with the machine line, the command and
+the notes as `#` lines), .md and .png (extra step time over each strategy's own base vs measured
+peak, one curve per strategy) under `--out`; `--render` rewrites the .md and .png from the CSV. `--quick` (a smoke test, under 2 minutes): tiny models, 3 budgets, checkmate with a
 5 s time limit, no min-peak MILP, no peer matching, torch.compile at one budget on the ResNet
 only, with the aot_eager_decomp_partition backend (the same partitioner and memory budget,
 without inductor's code generation).

@@ -42,7 +42,7 @@ __all__ = ["README", "Figure", "FigureError", "check_readme", "main", "parse_lin
 README = Path(__file__).resolve().parents[1] / "README.md"
 OPEN = re.compile(r"^<!-- results: (?P<args>.*?) -->$")
 CLOSE = "<!-- /results -->"
-MACHINE = re.compile(r"^machine:")
+MACHINE = re.compile(r"^\s*machine:")  # may be indented (a Markdown results file quotes it)
 
 
 class FigureError(ValueError):

@@ -51,31 +51,21 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat.compat.torch_private import (compile_session, disable_current_modes, disable_torch_function, pytree,
-                                        tensor_base)
+from remat.attention.spellings import torch_callables
+from remat.compat.torch_private import (compile_session, disable_current_modes, disable_torch_function, pytree)
 
 __all__ = ["traced_as_compiled"]
 
 _MAX_NUMEL = 1 << 22  # real copies are kept of index-sized tensors only
 
 
-def _ops(*names: str, funcs: tuple = ()) -> frozenset:
-    """The callables a TorchFunctionMode sees for these Tensor methods, plus the given functions."""
-    found = set(funcs)
-    for name in names:
-        for cls in (torch.Tensor, tensor_base):
-            if hasattr(cls, name):
-                found.add(getattr(cls, name))
-    return frozenset(found)
-
-
 # deterministic, not in place, the result a function of the tensor arguments' values and the python
 # arguments alone: what models build position ids with (arange(seq) + offset, unsqueeze, expand)
-_CONSTANT_OPS = _ops("__add__", "__radd__", "add", "__sub__", "__rsub__", "sub", "__mul__", "__rmul__", "mul",
-                     "__neg__", "neg", "unsqueeze", "squeeze", "expand", "expand_as", "view", "reshape", "flatten",
-                     "__getitem__", "to", "long", "int", "clone", "contiguous", "repeat", "t", "transpose",
-                     funcs=(torch.arange, torch.zeros, torch.ones, torch.full, torch.add, torch.sub, torch.mul,
-                            torch.unsqueeze, torch.cat, torch.stack))
+_CONSTANT_OPS = torch_callables(
+    "__add__", "__radd__", "add", "__sub__", "__rsub__", "sub", "__mul__", "__rmul__", "mul", "__neg__", "neg",
+    "unsqueeze", "squeeze", "expand", "expand_as", "view", "reshape", "flatten", "__getitem__", "to", "long",
+    "int", "clone", "contiguous", "repeat", "t", "transpose", funcs=(torch.arange, torch.zeros, torch.ones,
+    torch.full, torch.add, torch.sub, torch.mul, torch.unsqueeze, torch.cat, torch.stack))
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -36,7 +36,7 @@ import time
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.equal_spacing import checkpoint_candidates
 from remat.solver.plan import Plan, plan_from_schedule
-from remat.solver.schedule import schedule_from_kept
+from remat.solver.schedule import cheapest_fitting, schedule_from_kept
 
 __all__ = ["solve", "segment", "thresholds"]
 
@@ -92,27 +92,18 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, *, rounds: int 
     t0 = time.perf_counter()
     cands = checkpoint_candidates(graph)
     seen: set[tuple[str, ...]] = set()
-    best: Plan | None = None
-    lowest: Plan | None = None
+    plans = []
     for b in thresholds(graph, cands, rounds=rounds, ntrial=ntrial, grid=grid):
         kept, x, y = segment(graph, b, cands)
         if tuple(kept) in seen:
             continue
         seen.add(tuple(kept))
-        plan = plan_from_schedule(graph, schedule_from_kept(graph, kept), strategy="chen_greedy",
-                                  budget_bytes=budget_bytes, status="heuristic",
-                                  details={"threshold_bytes": b, "split_points": len(kept),
-                                           "kept_bytes": x, "max_segment_bytes": y,
-                                           "candidates": len(cands)})
-        if lowest is None or (plan.predicted_peak_bytes, plan.extra_cost) < (lowest.predicted_peak_bytes,
-                                                                             lowest.extra_cost):
-            lowest = plan
-        if plan.fits and (best is None or plan.extra_cost < best.extra_cost):
-            best = plan
-    chosen = best if best is not None else lowest
-    assert chosen is not None
-    if best is None:
-        chosen.status = "infeasible"
+        plans.append(plan_from_schedule(graph, schedule_from_kept(graph, kept), strategy="chen_greedy",
+                                        budget_bytes=budget_bytes, status="heuristic",
+                                        details={"threshold_bytes": b, "split_points": len(kept),
+                                                 "kept_bytes": x, "max_segment_bytes": y,
+                                                 "candidates": len(cands)}))
+    chosen = cheapest_fitting(plans)
     chosen.details["split_sets_judged"] = len(seen)
     chosen.solve_time_s = time.perf_counter() - t0
     return chosen

@@ -13,7 +13,7 @@ import networkx as nx
 
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.plan import Plan, plan_from_schedule
-from remat.solver.schedule import schedule_from_kept
+from remat.solver.schedule import cheapest_fitting, schedule_from_kept
 
 __all__ = ["solve", "checkpoint_candidates"]
 
@@ -34,20 +34,12 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) ->
     none fits, the lowest-peak one, with status "infeasible"."""
     t0 = time.perf_counter()
     cands = checkpoint_candidates(graph)
-    best: Plan | None = None  # cheapest that fits
-    lowest: Plan | None = None  # lowest peak overall, reported when nothing fits
+    plans = []
     for k in range(1, len(cands) + 2):  # k = len+1 keeps no candidate at all
         kept = cands[k - 1::k]
-        plan = plan_from_schedule(graph, schedule_from_kept(graph, kept), strategy="equal_spacing",
-                                  budget_bytes=budget_bytes, status="heuristic",
-                                  details={"k": k, "checkpoints": len(kept), "candidates": len(cands)})
-        if lowest is None or plan.predicted_peak_bytes < lowest.predicted_peak_bytes:
-            lowest = plan
-        if plan.fits and (best is None or plan.extra_cost < best.extra_cost):
-            best = plan
-    chosen = best if best is not None else lowest
-    assert chosen is not None
-    if best is None:
-        chosen.status = "infeasible"
+        plans.append(plan_from_schedule(graph, schedule_from_kept(graph, kept), strategy="equal_spacing",
+                                        budget_bytes=budget_bytes, status="heuristic",
+                                        details={"k": k, "checkpoints": len(kept), "candidates": len(cands)}))
+    chosen = cheapest_fitting(plans)
     chosen.solve_time_s = time.perf_counter() - t0
     return chosen

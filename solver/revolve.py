@@ -59,6 +59,7 @@ import networkx as nx
 
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.schedule import cheapest_fitting
 
 __all__ = ["solve", "NotAChainError", "Chain", "find_chain", "revolve_actions", "griewank_p", "optimal_advances"]
 
@@ -328,23 +329,14 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, *, snapshots: i
     chain = find_chain(graph)
     n_steps = chain.length
     counts = range(max(n_steps, 1)) if snapshots is None else [max(0, min(snapshots, max(n_steps - 1, 0)))]
-    best: Plan | None = None
-    lowest: Plan | None = None
+    plans = []
     for c in counts:
         actions = revolve_actions(n_steps, c)
         adv = sum(a[2] - a[1] for a in actions if a[0] == "advance")
-        plan = plan_from_schedule(graph, _schedule(graph, chain, actions), strategy="revolve",
-                                  budget_bytes=budget_bytes, status="heuristic",
-                                  details={"steps": n_steps, "snapshots": c, "advances": adv,
-                                           "states": len(chain.states)})
-        if lowest is None or (plan.predicted_peak_bytes, plan.extra_cost) < (lowest.predicted_peak_bytes,
-                                                                             lowest.extra_cost):
-            lowest = plan
-        if plan.fits and (best is None or plan.extra_cost < best.extra_cost):
-            best = plan
-    chosen = best if best is not None else lowest
-    assert chosen is not None
-    if best is None:
-        chosen.status = "infeasible"
+        plans.append(plan_from_schedule(graph, _schedule(graph, chain, actions), strategy="revolve",
+                                        budget_bytes=budget_bytes, status="heuristic",
+                                        details={"steps": n_steps, "snapshots": c, "advances": adv,
+                                                 "states": len(chain.states)}))
+    chosen = cheapest_fitting(plans)
     chosen.solve_time_s = time.perf_counter() - t0
     return chosen

@@ -9,10 +9,14 @@ backward node until its last use. Random nodes and step outputs are always kept.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from remat.graph_capture.training_graph import TrainingGraph
 
-__all__ = ["schedule_from_kept", "keep_all_schedule"]
+if TYPE_CHECKING:  # only for annotations: plan.py builds on this module
+    from remat.solver.plan import Plan
+
+__all__ = ["schedule_from_kept", "keep_all_schedule", "cheapest_fitting"]
 
 
 def keep_all_schedule(graph: TrainingGraph) -> list[str]:
@@ -43,3 +47,22 @@ def schedule_from_kept(graph: TrainingGraph, kept: Iterable[str]) -> list[str]:
                 ensure(i)
         schedule.append(n.name)
     return schedule
+
+
+def cheapest_fitting(plans: Iterable["Plan"]) -> "Plan":
+    """What a heuristic that judges candidate plans answers: the cheapest plan that fits its budget,
+    else the lowest-peak one (ties: cheaper), marked "infeasible" (the API then names its peak as
+    the smallest budget found feasible)."""
+    best = lowest = None
+    for plan in plans:
+        if lowest is None or (plan.predicted_peak_bytes, plan.extra_cost) < (lowest.predicted_peak_bytes,
+                                                                             lowest.extra_cost):
+            lowest = plan
+        if plan.fits and (best is None or plan.extra_cost < best.extra_cost):
+            best = plan
+    if lowest is None:
+        raise ValueError("no candidate plan to choose from")
+    if best is None:
+        lowest.status = "infeasible"
+        return lowest
+    return best
