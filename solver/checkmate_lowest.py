@@ -81,7 +81,8 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     plan.details["attempts"] = log
     plan.budget_bytes = plan.predicted_peak_bytes
     plan.solve_time_s = time.perf_counter() - t0  # coarsening and the comparison included
-    _LOWEST[key] = (weakref.ref(graph, lambda _, k=key: _LOWEST.pop(k, None)), plan)
+    # the callback holds the dict itself: at interpreter exit the module global may already be None
+    _LOWEST[key] = (weakref.ref(graph, lambda _, k=key, cache=_LOWEST: cache.pop(k, None)), plan)
     return copy.deepcopy(plan)
 
 
