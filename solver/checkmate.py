@@ -1,18 +1,29 @@
-"""checkmate: Checkmate's MILP (Jain et al., MLSys 2020) over a coarsened graph, solved with PuLP.
+"""checkmate: the optimal strategy. Plans under a budget at the least extra compute, with a proven
+lower bound on what any plan must recompute.
 
-`solve(graph, budget_bytes)` builds the MILP (solver/checkmate_model.py) on the coarsened graph,
-warm-starts it with the cheapest fitting baseline schedule (solver/checkmate_stages.py), runs it on
-the backends in turn (solver/checkmate_attempts.py: HiGHS, then CBC, under a deterministic node
-limit), expands its schedule to the fine graph and spends the slack the coarse model leaves there
-(solver/refine.py). `min_feasible_budget` is the
-peak of the lowest-peak plan known (solver/checkmate_lowest.py).
+`solve(graph, budget_bytes)`:
+  1. candidates: equal_spacing's, chen_greedy's and revolve's plans (and, on small graphs, the
+     plan of Checkmate's MILP, Jain et al. 2020, on a coarsened graph: solver/checkmate_model.py,
+     run on the backends in turn by solver/checkmate_attempts.py), each refined on the fine graph
+     (solver/refine.py);
+  2. the certified search on the fine graph (solver/checkmate_certified.py): a relaxation of the
+     problem whose LP is solved and branched on (solver/relaxation.py, solver/certify.py), each LP
+     solution turned into plans (solver/guided.py), until the best plan is within `mip_gap` of
+     the bound or a deterministic work limit is spent;
+  3. the cheapest plan that fits, with plan.lower_bound (proven: no schedule whose first
+     computations follow the graph's order fits the budget at a lower extra cost), plan.gap =
+     (extra cost - lower bound) / extra cost, and status "optimal" when the gap is within
+     mip_gap, "feasible" otherwise, "infeasible" when nothing fits (details["reason"] says
+     whether that is proven).
+`min_feasible_budget` is the peak of the lowest-peak plan known (solver/checkmate_lowest.py), with
+a proven lower bound on any plan's peak in its details.
 
 `solve` never raises for a solver failure and never calls a budget infeasible that
-min_feasible_budget (same options) reported feasible: when the MILP has no fitting plan it answers
-with equal_spacing's plan or the cached lowest-peak plan, refined on the fine graph.
+min_feasible_budget (same options) reported feasible: its lowest-peak plan is the last fallback.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 
@@ -22,82 +33,168 @@ from remat.solver.backends import available as backend_available
 from remat.solver.backends import attempts, default_backend
 from remat.solver.checkmate_attempts import (MIN_NODES, NODE_WORK, SolverFallbackWarning, cut_to_deadline,
                                              make_limits, node_limit, solve_milp, warn_fallback)
-from remat.solver.checkmate_lowest import lowest_peak_plan, min_feasible_budget
+from remat.solver.checkmate_certified import certified_search
+from remat.solver.checkmate_lowest import MILP_MAX_COARSE_NODES, lowest_peak_plan, min_feasible_budget
 from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, set_start, solution_stages
 from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph, judge_schedules,
-                                           onto_finer, plan_from_stages)
+                                           plan_from_stages)
 from remat.solver.plan import Plan, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.solver.simulator import simulate
 
 __all__ = ["solve", "min_feasible_budget", "node_limit", "SolverFallbackWarning", "DEFAULT_COARSEN_TO",
-           "NODE_WORK", "MIN_NODES"]
+           "NODE_WORK", "MIN_NODES", "MILP_MAX_COARSE_NODES"]
+
+BASELINES_MAX_NODES = 1000  # larger graphs: the baselines only when the certified search finds nothing
+TINY = 1e-12
 
 
 def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
           max_nodes: int | None = None, time_limit_s: float | None = None,
           coarsen_to: int | None = DEFAULT_COARSEN_TO, warm_start: bool = True,
           mip_gap: float | None = 1e-4, threads: int | None = 1, msg: bool = False,
-          presolve: bool = True, **_: object) -> Plan:
-    """Checkmate's MILP under `budget_bytes` (the step's peak, resident memory included).
+          milp: str = "auto", certify: bool = True, max_iterations: int | None = None,
+          **_: object) -> Plan:
+    """The cheapest plan found under `budget_bytes` (the step's peak, resident memory included),
+    with a proven lower bound on the extra cost of any plan (see the module docstring).
 
-    backend: "auto" (default: HiGHS when highspy is installed, else CBC), "highs" or "cbc"; a
-    backend that fails falls back to the next one, and then to the best heuristic plan, with a
-    SolverFallbackWarning (plan.details["attempts"] and ["fallback"] say what happened).
-    max_nodes: the deterministic work limit (branch-and-bound nodes after the root; None:
-    node_limit(binaries), scaled to the model; the MILP runs single-threaded with threads=1): with
-    it alone the same graph and budget give the same plan on an idle or a busy machine.
-    time_limit_s: an optional wall-clock safety net (None: none); with it the plan depends on the
-    machine's load. coarsen_to: coarse node count the MILP works on (None: the fine graph).
-
-    Status "optimal" (proven, within `mip_gap` of the extra cost), "feasible" (a limit stopped the
-    search with an incumbent, plan.gap is the relative gap; or a fallback plan that fits), or
-    "infeasible" (no plan fits: the plan holds the lowest-peak baseline schedule, for
-    information). Never "infeasible" for a budget at or above min_feasible_budget's answer with
-    the same options: that plan is the last fallback. presolve: with CBC on 60+ coarse nodes,
-    first solve a coarser MILP (a quarter of the limits) to warm-start this one."""
+    milp: "auto" (Checkmate's MILP when the coarse graph has at most MILP_MAX_COARSE_NODES nodes),
+    "always" or "never". backend: the MILP's, "auto" (HiGHS when highspy is installed, else CBC),
+    "highs" or "cbc"; a failing backend falls back to the next one, then to the other candidates,
+    with a SolverFallbackWarning (plan.details["attempts"]). max_nodes: the MILP's node limit
+    (None: node_limit(binaries)). coarsen_to: the MILP's coarse node count (None: the fine graph).
+    certify: run the certified search (the lower bound and the relaxation's plans);
+    max_iterations: its work limit in simplex iterations (None: scaled to the model). The default
+    limits are work limits, so the same graph and budget give the same plan on an idle or a busy
+    machine; time_limit_s adds a wall-clock limit (and with it load dependence), and the best plan
+    found by then is returned with its bound. mip_gap: the relative gap at which the plan counts
+    as optimal and the search stops."""
     t0 = time.perf_counter()
+    mip_gap = 0.0 if mip_gap is None else mip_gap
     requested = backend
     backend = default_backend() if backend == "auto" else backend
     attempts(backend, False)  # an unknown backend is a caller's error: raise before any work
     if backend == "highs" and not backend_available("highs"):
         raise ImportError("backend='highs' needs the `highspy` package (pip install highspy)")
+    if milp not in ("auto", "always", "never"):
+        raise ValueError(f"milp must be 'auto', 'always' or 'never', got {milp!r}")
+    deadline = None if time_limit_s is None else t0 + time_limit_s
     limits = make_limits(time_limit_s, max_nodes, mip_gap, threads)
     g = coarse_graph(graph, coarsen_to)
+    details = {"coarse_nodes": len(g.nodes), "fine_nodes": len(graph.nodes), "backend": backend,
+               "backend_requested": requested, "limits": asdict(limits), "coarse_peak_bytes": None}
+    es = None
+    cands: list[tuple[str, list[str]]] = []
+    if len(graph.nodes) <= BASELINES_MAX_NODES or not certify:
+        es = _equal_spacing(graph, budget_bytes, details)
+        cands = [("equal_spacing", es.schedule)] if es.fits else []
+        cands += _baselines(graph, budget_bytes)
+    milp_plan = None
+    if milp == "always" or milp == "auto" and len(g.nodes) <= MILP_MAX_COARSE_NODES:
+        milp_plan = _milp(graph, g, budget_bytes, backend, limits, deadline, warm_start, msg, details)
+        if milp_plan is not None and milp_plan.fits:
+            cands.insert(0, ("milp", milp_plan.schedule))
+    else:
+        details["milp"] = f"not run: {len(g.nodes)} coarse nodes > {MILP_MAX_COARSE_NODES} (milp='always' runs it)"
+    refined = {}
+    for name, sched in cands:
+        r = drop_recomputations(graph, sched, budget_bytes)
+        refined[name] = (r, simulate(graph, r))
+    details["refined"] = {n: {"extra_cost": s.extra_cost, "peak_bytes": s.peak_bytes} for n, (_, s) in refined.items()}
+    bound, proven_infeasible = 0.0, False
+    starts = [(n, r) for n, (r, _) in refined.items()]
+    if certify:
+        left = None if deadline is None else max(0.5, deadline - time.perf_counter())
+        res = certified_search(graph, budget_bytes, starts=starts, mip_gap=mip_gap, max_iterations=max_iterations,
+                               time_limit_s=left)
+        details.update(res.details)
+        bound = res.bound
+        proven_infeasible = math.isinf(res.bound)
+        if res.schedule is not None and res.details.get("plan_source") == "relaxation":
+            refined["relaxation"] = (res.schedule, simulate(graph, res.schedule))
+    details.setdefault("variables", details.get("relaxation", {}).get("variables"))
+    details.setdefault("constraints", details.get("relaxation", {}).get("rows"))
+    fits = [(n, s, sim) for n, (s, sim) in refined.items() if sim.peak_bytes <= budget_bytes]
+    if fits and milp_plan is None and "reason" in details:  # the MILP ran and gave nothing: others answer
+        details["fallback"] = {"reason": details["reason"], "candidates": sorted({n for n, _, _ in fits})}
+        if details.get("milp_failed"):
+            warn_fallback(f"checkmate: {details['reason']}; answering with the best heuristic plan that fits "
+                          f"(equal_spacing / the relaxation's plans, refined on the fine graph)", stacklevel=3)
+    if not fits and es is None:  # a large graph the certified search found nothing for: the baselines
+        es = _equal_spacing(graph, budget_bytes, details)
+        for name, sched in ([("equal_spacing", es.schedule)] if es.fits else []) + _baselines(graph, budget_bytes):
+            r = drop_recomputations(graph, sched, budget_bytes)
+            fits.append((name, r, simulate(graph, r)))
+    if not fits:
+        if es is None:
+            es = _equal_spacing(graph, budget_bytes, details)
+        return _nothing_fits(graph, g, budget_bytes, es, details, t0, proven_infeasible, bound,
+                             backend=requested, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
+    name, sched, sim = min(fits, key=lambda c: (c[2].extra_cost, c[2].peak_bytes, c[0] != "milp"))
+    details["refined_from"] = name
+    details["schedule_source"] = "milp" if name == "milp" else name
+    if milp_plan is not None:
+        details["milp_plan"] = {"extra_cost": milp_plan.extra_cost, "peak_bytes": milp_plan.predicted_peak_bytes}
+        if es is not None and es.fits and es.extra_cost < milp_plan.extra_cost - 1e-9:
+            details["warning"] = (f"equal_spacing (k={es.details.get('k')}, extra cost {es.extra_cost:g}) beats "
+                                  "the MILP's own plan: the limits or the coarsening cost the MILP")
+    return _finish(graph, sched, sim, budget_bytes, bound, mip_gap, details, t0)
+
+
+def _finish(graph, sched, sim, budget_bytes, bound, mip_gap, details, t0) -> Plan:
+    """The Plan for the chosen schedule, with its bound, gap and status."""
+    cost = sim.extra_cost
+    bound = min(bound, cost)  # (a plan the bound does not cover can only be cheaper)
+    gap = (cost - bound) / max(cost, TINY) if cost > TINY else 0.0
+    status = "optimal" if gap <= mip_gap + 1e-12 else "feasible"
+    plan = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=budget_bytes, status=status,
+                              solve_time_s=time.perf_counter() - t0, gap=gap, details=details)
+    plan.lower_bound = bound
+    return plan
+
+
+def _equal_spacing(graph: TrainingGraph, budget_bytes: int, details: dict) -> Plan:
+    """equal_spacing's plan, recorded in details."""
+    es = equal_spacing.solve(graph, budget_bytes)
+    details["equal_spacing"] = {"fits": es.fits, "extra_cost": es.extra_cost, "peak_bytes": es.predicted_peak_bytes,
+                                "k": es.details.get("k")}
+    return es
+
+
+def _baselines(graph: TrainingGraph, budget_bytes: int) -> list[tuple[str, list[str]]]:
+    """chen_greedy's and revolve's plans when they fit (cheap starting points; on graphs whose
+    backward revolve reorders, its plan is one the relaxation does not cover). A baseline that
+    fails is skipped."""
+    out = []
+    if len(graph.nodes) > BASELINES_MAX_NODES:
+        return out
+    from remat.solver import chen_greedy, revolve
+
+    for name, mod in (("chen_greedy", chen_greedy), ("revolve", revolve)):
+        try:
+            p = mod.solve(graph, budget_bytes)
+        except Exception:  # noqa: BLE001 - NotAChainError, or a baseline's own failure: not ours to raise
+            continue
+        if p.fits:
+            out.append((name, p.schedule))
+    return out
+
+
+def _milp(graph, g, budget_bytes, backend, limits, deadline, warm_start, msg, details) -> Plan | None:
+    """Checkmate's MILP on the coarse graph `g`: its plan on the fine graph (None when it has none;
+    details say why). A proven infeasibility is recorded in details["milp_infeasible"]."""
+    t0 = time.perf_counter()
     unit = memory_unit(budget_bytes, g)
     model = build_model(g, budget_bytes, unit)
-    details = {"coarse_nodes": len(g.nodes), "fine_nodes": len(graph.nodes), "backend": backend,
-               "backend_requested": requested, "limits": asdict(limits),
-               "unit_bytes": unit, "variables": {k: v for k, v in model.counts.items()
-                                                 if k != "constraints"},
-               "constraints": model.counts["constraints"], "build_s": round(time.perf_counter() - t0, 3)}
-    # baselines on the coarse graph, in the MILP's own model: the cheapest fitting one warm-starts.
-    # With CBC on a large coarse graph, a quick MILP on a coarser graph is one more candidate
-    # (CBC's own incumbents are weak there; HiGHS does not need it)
-    cands = baseline_schedules(graph, g)
-    if presolve and backend == "cbc" and warm_start and g is not graph and len(g.nodes) >= 60:
-        sub = solve(graph, budget_bytes, backend=backend, coarsen_to=int(len(g.nodes) * 0.65),
-                    max_nodes=max(1, (max_nodes or node_limit(model.counts["binaries"])) // 4),
-                    time_limit_s=time_limit_s and time_limit_s * 0.25, warm_start=True,
-                    mip_gap=mip_gap, threads=threads, presolve=False)
-        details["presolve"] = {"coarse_nodes": sub.details["coarse_nodes"], "status": sub.status,
-                               "extra_cost": sub.extra_cost, "s": round(sub.solve_time_s, 3)}
-        if sub.status != "infeasible" and getattr(sub, "_coarse_schedule", None) is not None:
-            coarser = coarse_graph(graph, sub.details["coarse_nodes"])
-            refined = onto_finer(coarser, g, sub._coarse_schedule)
-            if refined is not None:
-                cands.append((f"milp(coarse {len(coarser.nodes)})", refined))
-    best_base, lowest = judge_schedules(g, cands, budget_bytes)
+    details.update({"unit_bytes": unit, "variables": {k: v for k, v in model.counts.items() if k != "constraints"},
+                    "constraints": model.counts["constraints"], "build_s": round(time.perf_counter() - t0, 3)})
+    best_base, _ = judge_schedules(g, baseline_schedules(graph, g), budget_bytes)
     warm = bool(warm_start and best_base is not None and set_start(model, best_base[2]))
     if best_base is not None:
         details["baseline"] = {"name": best_base[0], "extra_cost": best_base[1].extra_cost,
                                "coarse_peak_bytes": best_base[1].peak_bytes, "warm_start": warm}
-    es = equal_spacing.solve(graph, budget_bytes)  # the fine graph's baseline, for the record
-    details["equal_spacing"] = {"fits": es.fits, "extra_cost": es.extra_cost,
-                                "peak_bytes": es.predicted_peak_bytes, "k": es.details.get("k")}
-    t1 = time.perf_counter()
     details["attempts"] = []
-    deadline = None if time_limit_s is None else t0 + time_limit_s
+    t1 = time.perf_counter()
     out = solve_milp(model, backend, cut_to_deadline(limits, deadline), warm, msg, details["attempts"])
     details["milp_s"] = round(time.perf_counter() - t1, 3)
     if details["attempts"] and details["attempts"][-1]["backend"] != backend:
@@ -106,93 +203,62 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
     if out.status in ("optimal", "feasible"):
         import pulp
 
-        details["objective"] = pulp.value(model.prob.objective)
-        details["best_bound"] = out.bound
-        details["stopped_by"] = out.stopped_by
-        details["milp_peak_bytes"] = milp_peak(model)
-        details["schedule_source"] = "milp"
+        details.update({"objective": pulp.value(model.prob.objective), "best_bound": out.bound,
+                        "stopped_by": out.stopped_by, "milp_peak_bytes": milp_peak(model),
+                        "milp_status": out.status, "milp_gap": out.gap})
         if failed:
-            warn_fallback(f"MILP backend failure ({failed[0]['error']}); answered by {details['backend']}")
+            warn_fallback(f"MILP backend failure ({failed[0]['error']}); answered by {details['backend']}",
+                          stacklevel=4)
         plan = plan_from_stages(graph, g, solution_stages(model), strategy="checkmate", budget=budget_bytes,
-                                status=out.status, t0=t0, gap=out.gap, details=details)
-        if plan.fits:
-            plan = _polish(graph, plan, [es], budget_bytes, t0)
-            if es.fits and es.extra_cost < plan.details["milp_plan"]["extra_cost"] - 1e-9:
-                plan.details["warning"] = (f"equal_spacing (k={es.details.get('k')}, extra cost "
-                                           f"{es.extra_cost:g}) beats the MILP's own plan: the limits "
-                                           "or the coarsening cost the MILP")
-            return plan
-        # rounding in the model; never expected, never hidden: the fallbacks below answer
-        details["milp_overshoot_bytes"] = plan.predicted_peak_bytes - budget_bytes
-        reason = "the MILP's plan overshoots the budget in the fine simulator"
-    elif out.status == "infeasible":
-        reason = "proven infeasible"
-    elif out.stopped_by is not None:  # deterministic: no backend failed
-        reason = f"no incumbent within the MILP's {out.stopped_by}"
+                                status=out.status, t0=t0, gap=out.gap, details={})
+        details["coarse_peak_bytes"] = plan.details["coarse_peak_bytes"]
+        details["coarse_extra_cost"] = plan.details["coarse_extra_cost"]
+        if not plan.fits:  # rounding in the model; never expected, never hidden
+            details["milp_overshoot_bytes"] = plan.predicted_peak_bytes - budget_bytes
+        return plan
+    if out.status == "infeasible":
+        details["reason"] = "proven infeasible"
+        details["milp_infeasible"] = True
+    elif out.stopped_by is not None:
+        details["reason"] = f"no incumbent within the MILP's {out.stopped_by}"
     else:
-        reason = ("every backend failed: " + "; ".join(f"{a['backend']}: {a.get('error') or a['status']}"
-                                                       for a in details["attempts"]))
-    details["reason"] = reason
-    return _fallback(graph, g, budget_bytes, es, lowest, details, t0,
-                     failed=bool(failed) or (out.status == "none" and out.stopped_by is None),
-                     backend=requested, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
-
-
-def _fallback(graph, g, budget_bytes, es, lowest, details, t0, *, failed, backend, coarsen_to,
-              limits, deadline) -> Plan:
-    """No MILP plan fits: answer with the cheapest (after fine refinement) of equal_spacing's plan
-    and the lowest-peak plan min_feasible_budget reports (cached per graph and options), when they
-    fit; else an "infeasible" plan holding the lowest-peak schedule. `failed`: the MILP backends
-    failed (not a proven infeasibility), so a SolverFallbackWarning says so."""
-    fits = [es] if es.fits else []
-    if not fits or details["reason"] == "proven infeasible" and g is not graph:
-        # the coarse model is conservative: the lowest-peak plan may fit the fine graph; and a
-        # budget at or above min_feasible_budget's answer must be answered with a plan
-        low = lowest_peak_plan(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
-        details["lowest_peak"] = {"peak_bytes": low.predicted_peak_bytes,
-                                  "source": low.details.get("schedule_source")}
-        if low.predicted_peak_bytes <= budget_bytes:
-            fits.append(low)
-    if fits:
-        src = min(fits, key=lambda p: p.extra_cost)
-        details["fallback"] = {"reason": details["reason"],
-                               "candidates": [("equal_spacing" if p is es else "lowest_peak") for p in fits]}
-        details["schedule_source"] = "fallback"
-        details["coarse_peak_bytes"] = None
-        if failed:
-            warn_fallback(f"checkmate: {details['reason']}; answering with the best heuristic plan that fits "
-                          f"(equal_spacing / lowest-peak plan, refined on the fine graph)")
-        start = plan_from_schedule(graph, src.schedule, strategy="checkmate", budget_bytes=budget_bytes,
-                                   status="feasible", details=details)
-        return _polish(graph, start, [p for p in fits if p is not src], budget_bytes, t0,
-                       first="equal_spacing" if src is es else "lowest_peak")
+        details["reason"] = "every backend failed: " + "; ".join(
+            f"{a['backend']}: {a.get('error') or a['status']}" for a in details["attempts"])
+        details["milp_failed"] = True
     if failed:
-        warn_fallback(f"checkmate: {details['reason']}; no known plan fits {budget_bytes} bytes")
-    name, _, stages = lowest
-    details["schedule_source"] = name
-    return plan_from_stages(graph, g, stages, strategy="checkmate", budget=budget_bytes, status="infeasible",
-                            t0=t0, gap=None, details=details)
+        details["milp_failed"] = True
+    return None
 
 
-def _polish(graph: TrainingGraph, plan: Plan, others: list[Plan], budget_bytes: int, t0: float,
-            first: str = "milp") -> Plan:
-    """Spend the slack the coarse model leaves: drop, on the fine graph, every recomputation the
-    budget does not need (solver/refine.py), starting from `plan` and from each fitting plan of
-    `others` (equal_spacing's, the lowest-peak one); keep the cheaper. The MILP's own numbers stay
-    in details."""
-    cands = [(first, drop_recomputations(graph, plan.schedule, budget_bytes))]
-    for p in others:
-        if p.predicted_peak_bytes <= budget_bytes:
-            name = "equal_spacing" if p.strategy == "equal_spacing" else "lowest_peak"
-            cands.append((name, drop_recomputations(graph, p.schedule, budget_bytes)))
-    judged = [(name, sched, simulate(graph, sched)) for name, sched in cands]
-    name, sched, sim = min(judged, key=lambda c: (c[2].extra_cost, c[2].peak_bytes))
-    details = {**plan.details, "milp_plan": {"extra_cost": plan.extra_cost,
-                                             "peak_bytes": plan.predicted_peak_bytes},
-               "refined": {n: {"extra_cost": r.extra_cost, "peak_bytes": r.peak_bytes} for n, _, r in judged},
-               "refined_from": name}
-    out = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=budget_bytes,
-                             status=plan.status, solve_time_s=time.perf_counter() - t0, gap=plan.gap,
-                             details=details)
-    out._coarse_schedule = getattr(plan, "_coarse_schedule", None)
-    return out
+def _nothing_fits(graph, g, budget_bytes, es, details, t0, proven, bound, *, backend, coarsen_to, limits,
+                  deadline) -> Plan:
+    """No candidate fits: the lowest-peak plan min_feasible_budget reports (cached per graph and
+    options) answers when it fits; else an "infeasible" plan holding the lowest-peak schedule."""
+    failed = details.get("milp_failed", False)
+    reason = details.get("reason") or ("proven infeasible" if proven else "no plan found")
+    if proven and "reason" not in details:
+        reason = "proven infeasible"
+    low = lowest_peak_plan(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
+    details["lowest_peak"] = {"peak_bytes": low.predicted_peak_bytes, "source": low.details.get("schedule_source")}
+    floor = low.details.get("peak_lower_bound")
+    details["peak_lower_bound"] = floor
+    if floor is not None and budget_bytes < floor:
+        proven = True
+        details["proof"] = f"no schedule peaks below {floor} bytes (the relaxation's bound)"
+    if low.predicted_peak_bytes <= budget_bytes:
+        details["fallback"] = {"reason": reason, "candidates": ["lowest_peak"]}
+        details["reason"] = reason
+        if failed:
+            warn_fallback(f"checkmate: {reason}; answering with the best heuristic plan that fits "
+                          f"(equal_spacing / lowest-peak plan, refined on the fine graph)", stacklevel=4)
+        sched = drop_recomputations(graph, low.schedule, budget_bytes)
+        details["schedule_source"] = "fallback"
+        details["refined_from"] = "lowest_peak"
+        return _finish(graph, sched, simulate(graph, sched), budget_bytes, bound, 0.0, details, t0)
+    if failed:
+        warn_fallback(f"checkmate: {reason}; no known plan fits {budget_bytes} bytes", stacklevel=4)
+    details["reason"] = "proven infeasible" if proven or details.get("milp_infeasible") and g is graph else reason
+    details["schedule_source"] = "lowest_peak"
+    plan = plan_from_schedule(graph, low.schedule, strategy="checkmate", budget_bytes=budget_bytes,
+                              status="infeasible", solve_time_s=time.perf_counter() - t0, details=details)
+    return plan

@@ -34,10 +34,11 @@ class SolverFallbackWarning(UserWarning):
     """A MILP backend failed; the plan came from another backend or a heuristic (plan.details)."""
 
 
-def warn_fallback(text: str) -> None:
+def warn_fallback(text: str, stacklevel: int = 3) -> None:
     """Warn (SolverFallbackWarning) that a backend failed, naming the one that answered instead;
-    the warning points at the caller of the function that calls this."""
-    warnings.warn(text, SolverFallbackWarning, stacklevel=3)
+    the warning points at the caller of the function that calls this (stacklevel 3), or further
+    up the stack."""
+    warnings.warn(text, SolverFallbackWarning, stacklevel=stacklevel)
 
 
 def node_limit(binaries: int) -> int:

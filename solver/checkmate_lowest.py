@@ -1,13 +1,18 @@
-"""The lowest-peak plan Checkmate knows, and `min_feasible_budget`, its peak.
+"""The lowest-peak plan checkmate knows, `min_feasible_budget` (its peak), and a proven lower
+bound on any plan's peak.
 
-The min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident, minimise M)
-against equal_spacing's lowest-peak plan, whichever peaks lower on the fine graph. Cached per graph
-object and options: min_feasible_budget and solve's last fallback read the same entry, so every
-budget at or above the one reported is a budget solve accepts.
+Candidates, whichever peaks lowest on the fine graph: the relaxation's low-peak schedule
+(solver/guided.py `lowest_peak_search`), equal_spacing's lowest-peak plan, and on small coarse
+graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
+minimise M). plan.details["peak_lower_bound"] is the relaxation's bound: no schedule whose first
+computations follow the graph's order peaks below it, so a budget under it is infeasible as a
+fact. Cached per graph object and options: min_feasible_budget and solve's last fallback read the
+same entry, so every budget at or above the one reported is a budget solve accepts.
 """
 from __future__ import annotations
 
 import copy
+import math
 import time
 import weakref
 from dataclasses import replace
@@ -19,10 +24,15 @@ from remat.solver.checkmate_attempts import cut_to_deadline, make_limits, solve_
 from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, set_start, solution_stages
 from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph,
                                            plan_from_stages, stages_of)
-from remat.solver.plan import Plan
+from remat.solver.checkmate_certified import certified_search
+from remat.solver.guided import descend, lowest_peak_search
+from remat.solver.plan import Plan, plan_from_schedule
 from remat.solver.simulator import simulate
 
-__all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan"]
+__all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES"]
+
+MILP_MAX_COARSE_NODES = 64  # the min-peak MILP runs on coarse graphs up to this size
+DESCEND_MAX_NODES = 1500  # graphs up to this size: the lowest peak is pushed down by the certified search
 
 
 def min_peak_plan(graph: TrainingGraph, g: TrainingGraph, backend: str, limits: Limits,
@@ -62,22 +72,33 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     name = default_backend() if backend == "auto" else backend
     g = coarse_graph(graph, coarsen_to)
     log: list = []
-    plan = min_peak_plan(graph, g, name, cut_to_deadline(limits, deadline), log)
-    # equal_spacing's lowest-peak plan is a valid answer too; the coarse model can miss it
+    cands: list = []  # (peak, source, Plan)
+    if len(g.nodes) <= MILP_MAX_COARSE_NODES:
+        milp = min_peak_plan(graph, g, name, cut_to_deadline(limits, deadline), log)
+        if milp is not None:
+            cands.append((milp.predicted_peak_bytes, "min_peak_milp", milp))
+    # the relaxation's low-peak schedule, and equal_spacing's lowest-peak plan: valid answers too
+    sched, bound = lowest_peak_search(graph)
+    if len(graph.nodes) <= DESCEND_MAX_NODES:
+        def search(budget):
+            res = certified_search(graph, budget, starts=[])
+            return res.schedule, math.isinf(res.bound)
+
+        sched, bound = descend(graph, sched, bound, search, steps=4 if len(graph.nodes) <= 100 else 2)
+    guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
+    cands.append((guided.predicted_peak_bytes, "relaxation", guided))
     es = equal_spacing.solve(graph, 1)
+    es.strategy, es.status = "checkmate", "feasible"
+    cands.append((es.predicted_peak_bytes, "equal_spacing", es))
     failed = [a for a in log if "error" in a]
-    if plan is None or es.predicted_peak_bytes < plan.predicted_peak_bytes:
-        if plan is not None:
-            es.details["min_peak_milp_bytes"] = plan.predicted_peak_bytes
-        es.strategy, es.status = "checkmate", "feasible"
-        es.details["schedule_source"] = ("equal_spacing (lower peak than the min-peak MILP)" if plan is not None
-                                         else "equal_spacing (the min-peak MILP found no plan)")
-        plan = es
-    else:
-        plan.details["schedule_source"] = "min_peak_milp"
+    _, source, plan = min(cands, key=lambda c: (c[0], c[2].extra_cost))
+    plan.details["schedule_source"] = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)",
+                                       "equal_spacing": "equal_spacing (lowest peak)"}[source]
+    plan.details["lowest_peak_candidates"] = {s: p for p, s, _ in cands}
+    plan.details["peak_lower_bound"] = bound  # proven: no schedule peaks lower
     if failed:
         warn_fallback(f"min-peak MILP backend failure ({failed[0]['error']}); "
-                      f"answered by {log[-1]['backend'] if 'status' in log[-1] else 'equal_spacing'}")
+                      f"answered by {log[-1]['backend'] if 'status' in log[-1] else plan.details['schedule_source']}")
     plan.details["attempts"] = log
     plan.budget_bytes = plan.predicted_peak_bytes
     plan.solve_time_s = time.perf_counter() - t0  # coarsening and the comparison included
@@ -91,11 +112,11 @@ def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",
                         time_limit_s: float | None = None, coarsen_to: int | None = DEFAULT_COARSEN_TO,
                         threads: int | None = 1, mip_gap: float | None = 1e-4, return_plan: bool = False,
                         **_: object):
-    """The smallest budget for which a plan was found: solve the MILP minimising the peak (a
-    variable M >= U[t,k] + workspace + kept + resident for every t, k) and return the FINE
-    simulated peak of that plan (with coarsening it can be below the coarse model's own peak,
-    which is in plan.details). When equal_spacing's lowest-peak plan peaks lower (or the MILP
-    finds nothing), that plan is the answer; plan.details says which one it is. `solve` with the
+    """The smallest budget for which a plan was found: the FINE simulated peak of the lowest-peak
+    candidate (the relaxation's low-peak schedule, equal_spacing's lowest-peak plan, and on small
+    coarse graphs the MILP minimising the peak, a variable M >= U[t,k] + workspace + kept +
+    resident for every t, k); plan.details says which one it is, and holds "peak_lower_bound",
+    below which no plan exists. `solve` with the
     same options accepts every budget at or above this answer: this plan is its last fallback
     (cached per graph object). Options as in `solve` (mip_gap does not apply: kept for symmetry)."""
     limits = make_limits(time_limit_s, max_nodes, mip_gap, threads)

@@ -21,7 +21,7 @@ from remat.solver.schedule import keep_all_schedule, schedule_from_kept
 from remat.solver.simulator import simulate
 
 __all__ = ["DEFAULT_COARSEN_TO", "coarse_graph", "stages_of", "normalise_stages", "flat_schedule",
-           "baseline_schedules", "judge_schedules", "plan_from_stages", "onto_finer"]
+           "baseline_schedules", "judge_schedules", "plan_from_stages"]
 
 DEFAULT_COARSEN_TO = 90  # coarse nodes: the MILP's size grows with the square of it
 
@@ -134,26 +134,4 @@ def plan_from_stages(graph: TrainingGraph, g: TrainingGraph, stages: list[list[i
     plan = plan_from_schedule(graph, fine_sched, strategy=strategy, budget_bytes=budget,
                               status=status, solve_time_s=time.perf_counter() - t0, gap=gap,
                               details=details)
-    plan._coarse_schedule = coarse_sched  # not serialised: lets a finer solve warm-start from it
     return plan
-
-
-def onto_finer(coarser: TrainingGraph, g: TrainingGraph, schedule: list[str]) -> list[str] | None:
-    """A schedule over `coarser` rewritten over `g` when every node of `coarser` is a union of
-    consecutive nodes of `g` (the greedy merge is hierarchical, so a smaller target coarsens
-    further); None otherwise."""
-    start = {v.members[0]: k for k, v in enumerate(g.nodes)}
-    parts = {}
-    for v in coarser.nodes:
-        k = start.get(v.members[0])
-        names, m = [], 0
-        while k is not None and k < len(g.nodes) and m < len(v.members):
-            if g.nodes[k].members != v.members[m:m + len(g.nodes[k].members)]:
-                return None
-            names.append(g.nodes[k].name)
-            m += len(g.nodes[k].members)
-            k += 1
-        if m != len(v.members):
-            return None
-        parts[v.name] = names
-    return [x for name in schedule for x in parts[name]]

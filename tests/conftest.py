@@ -14,7 +14,7 @@ import random
 
 from remat.graph_capture.training_graph import Node, TrainingGraph
 
-__all__ = ["training_chain", "transformer_like", "random_dag", "with_backward", "brute_force"]
+__all__ = ["training_chain", "transformer_like", "random_dag", "with_backward", "brute_force", "random_schedule"]
 
 
 def training_chain(n: int, seed: int = 0, *, max_bytes: int = 20, max_cost: int = 9,
@@ -237,3 +237,18 @@ def brute_force(graph: TrainingGraph, budget: int | None, *, objective: str = "c
                         raise RuntimeError("brute force state limit reached")
                     heapq.heappush(heap, (nd, counter, ns))
     return None, None
+
+
+def random_schedule(g, rng, p=0.3):
+    """A random valid schedule: every node in order, with random recomputations of recomputable
+    nodes (their inputs have been computed before, so the simulator accepts it)."""
+    sched, done = [], []
+    for v in g.nodes:
+        while done and rng.random() < p:
+            cand = [x for x in done if g.node(x).recomputable]
+            if not cand:
+                break
+            sched.append(rng.choice(cand))
+        sched.append(v.name)
+        done.append(v.name)
+    return sched

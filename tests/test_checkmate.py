@@ -21,7 +21,7 @@ from remat.solver.coarsen import coarsen, expand_schedule
 from remat.solver.plan import Plan
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
 from remat.solver.simulator import simulate
-from tests.conftest import brute_force, random_dag, training_chain, transformer_like
+from tests.conftest import brute_force, random_dag, training_chain, transformer_like, random_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -107,21 +107,6 @@ def test_fits_and_never_worse_than_equal_spacing(g, coarsen_to):
         assert plan.details["coarse_peak_bytes"] >= plan.details["milp_plan"]["peak_bytes"]
         assert plan.details["milp_peak_bytes"] >= plan.details["coarse_peak_bytes"]
         assert plan.extra_cost <= plan.details["milp_plan"]["extra_cost"] + 1e-9
-
-
-def random_schedule(g, rng, p=0.3):
-    """A random valid schedule: every node in order, with random recomputations of recomputable
-    nodes (their inputs have been computed before, so the simulator accepts it)."""
-    sched, done = [], []
-    for v in g.nodes:
-        while done and rng.random() < p:
-            cand = [x for x in done if g.node(x).recomputable]
-            if not cand:
-                break
-            sched.append(rng.choice(cand))
-        sched.append(v.name)
-        done.append(v.name)
-    return sched
 
 
 def test_coarsening_guarantee(capsys):

@@ -1,0 +1,173 @@
+"""A lower bound that certifies: branch and bound over the relaxation's LP (solver/relaxation.py).
+
+The LP of the relaxation is fractional where a memory row is a knapsack: a value recomputed 0.23
+times, or half-recomputed in two places. Branching on single variables rarely moves the bound on a
+network of identical blocks, because the fraction moves to the same value in another block at the
+same LP cost. So the branches are on *class sums*: the values of structurally identical nodes
+(same op, bytes, workspace and cost: the same tensor in every block) form a class, and the number
+of times a class is recomputed, sum of its R variables, is an integer in every schedule, so
+"sum <= floor(s)" or "sum >= ceil(s)" splits the problem without losing any schedule. When every
+class sum is integral, single fractional variables are branched on. Best-first: the bound is the
+least LP value among the open nodes (less a safety margin for HiGHS's tolerances); nodes at or
+above the incumbent plan's cost are pruned (the optimum is at most that cost anyway).
+
+The search is cut by deterministic work limits (simplex iterations over all LPs, and LPs solved),
+optionally by wall clock, and stops once the bound is within `target_gap` of the incumbent, or when
+STALL LPs in a row have not raised it. Every node's LP solution is offered to `on_solution` (the
+caller turns it into plans: a better incumbent prunes more).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from remat.solver.relaxation import Relaxation
+
+__all__ = ["Certificate", "certify", "classes", "STALL"]
+
+STALL = 50  # LPs without the bound rising before the search gives up (deterministic)
+
+
+@dataclass
+class Certificate:
+    """What the branch and bound proved: `bound` (model units: multiply by rel.cost_scale) is a lower
+    bound on the relaxation's optimum; `x` the LP solution of the open node with the least value."""
+
+    bound: float
+    root: float
+    lps: int
+    iterations: int
+    seconds: float
+    stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit"
+    x: np.ndarray | None = None
+    infeasible: bool = False
+    log: list = field(default_factory=list)
+
+
+def classes(rel: Relaxation) -> list[list[int]]:
+    """R columns grouped by the class of their node (op, bytes, workspace, cost)."""
+    out: dict = {}
+    for (u, _), col in rel.R.items():
+        v = rel.g.nodes[u]
+        out.setdefault((v.op, v.out_bytes, v.workspace_bytes, round(v.cost, 6)), []).append(col)
+    return [cols for _, cols in sorted(out.items(), key=lambda kv: min(kv[1]))]
+
+
+def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float = 1e-4,
+            max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
+            time_limit_s: float | None = None, on_solution=None) -> Certificate:
+    """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
+    the best plan known, in model units; on_solution(x, value) may return a better one. Work
+    limits: max_iterations simplex iterations in all (or work_factor times the root LP's), and
+    max_lps LPs."""
+    import highspy
+
+    t0 = time.perf_counter()
+    m = rel.model
+    cls = classes(rel)
+    base = m.num_rows
+    inf = highspy.kHighsInf
+    h = m.highs(extra_rows=[(cols, -inf, inf) for cols in cls])
+    M = highspy.HighsModelStatus
+    cost = np.array(m.cost, float)
+    integral = np.array(m.integral, bool)
+    lb0, ub0 = np.array(m.lb, float), np.array(m.ub, float)
+    iters = 0
+
+    def lp(node) -> tuple[float | None, np.ndarray | None]:
+        nonlocal iters
+        rows, cols = node
+        for r, (a, b) in rows.items():
+            h.changeRowBounds(base + r, a, b)
+        for j, (a, b) in cols.items():
+            h.changeColBounds(j, a, b)
+        h.run()
+        ok = h.getModelStatus() == M.kOptimal
+        out = (h.getInfo().objective_function_value, np.array(h.getSolution().col_value)) if ok else (None, None)
+        iters += int(h.getInfo().simplex_iteration_count)
+        for r in rows:
+            h.changeRowBounds(base + r, -inf, inf)
+        for j in cols:
+            h.changeColBounds(j, lb0[j], ub0[j] if math.isfinite(ub0[j]) else inf)
+        return out
+
+    root, x = lp(({}, {}))
+    if work_factor is not None:
+        cap = int(work_factor * max(iters, 1000))
+        max_iterations = cap if max_iterations is None else min(max_iterations, cap)
+    if root is None:
+        return Certificate(math.inf, math.inf, 1, iters, time.perf_counter() - t0, "proved", infeasible=True)
+    if on_solution is not None:
+        incumbent = min(incumbent, on_solution(x, root))
+    heap = [(root, 0, ({}, {}), x)]
+    count, lps, stopped = 1, 1, "proved"
+    last_rise = [root, 1]  # the best bound so far and the LP count when it last rose
+    log = []
+    while heap:
+        value, _, node, x = heap[0]
+        if value >= incumbent * (1 - 1e-9):
+            heap = []
+            break
+        if incumbent < math.inf and incumbent - value <= target_gap * max(incumbent, 1e-12):
+            stopped = "gap"
+            break
+        if max_iterations is not None and iters >= max_iterations or max_lps is not None and lps >= max_lps:
+            stopped = "work limit"
+            break
+        if value > last_rise[0] * (1 + 1e-9) + 1e-12:
+            last_rise[:] = [value, lps]
+        elif lps - last_rise[1] >= STALL:
+            stopped = "stalled"
+            break
+        if time_limit_s is not None and time.perf_counter() - t0 >= time_limit_s:
+            stopped = "time limit"
+            break
+        branch = _branch(x, node, cls, cost, integral)
+        if branch is None:  # an integral point of the relaxation: the relaxation is solved
+            break
+        heapq.heappop(heap)
+        for child in branch:
+            v, xc = lp(child)
+            lps += 1
+            if v is None:
+                continue
+            if on_solution is not None and v < incumbent:
+                incumbent = min(incumbent, on_solution(xc, v))
+            if v < incumbent * (1 - 1e-9):
+                count += 1
+                heapq.heappush(heap, (v, count, child, xc))
+        log.append((lps, heap[0][0] if heap else incumbent, incumbent))
+    bound = min(heap[0][0], incumbent) if heap else incumbent
+    best_x = heap[0][3] if heap else None
+    return Certificate(bound, root, lps, iters, time.perf_counter() - t0, stopped, best_x, log=log)
+
+
+def _branch(x: np.ndarray, node, cls: list, cost: np.ndarray, integral: np.ndarray):
+    """The two children of `node` at its LP solution x: on the class sum whose fraction costs the
+    most, else on the single fractional variable whose fraction costs the most; None if x is
+    integral."""
+    rows, cols = node
+    best = None
+    for r, members in enumerate(cls):
+        s = float(x[members].sum())
+        f = s - math.floor(s)
+        if 1e-6 < f < 1 - 1e-6:
+            score = cost[members[0]] * min(f, 1 - f)
+            if best is None or score > best[0]:
+                best = (score, r, s)
+    if best is not None:
+        _, r, s = best
+        a, b = rows.get(r, (-math.inf, math.inf))
+        lo_child = ({**rows, r: (a, min(b, math.floor(s)))}, cols)
+        hi_child = ({**rows, r: (max(a, math.ceil(s)), b)}, cols)
+        return [lo_child, hi_child]
+    frac = np.where(integral & (x > 1e-6) & (x < 1 - 1e-6))[0]
+    if frac.size == 0:
+        return None
+    score = np.minimum(x[frac], 1 - x[frac]) * (cost[frac] + 1e-9)
+    j = int(frac[np.argmax(score)])
+    return [(rows, {**cols, j: (0.0, 0.0)}), (rows, {**cols, j: (1.0, 1.0)})]

@@ -1,0 +1,97 @@
+"""The certified search of the checkmate strategy: plans read off the relaxation, and a bound.
+
+On the fine graph: build the relaxation (solver/relaxation.py), then branch and bound on its LP
+(solver/certify.py). Every LP solution the search visits (the root, then a few more nodes below
+the incumbent) is turned into plans (solver/guided.py: thresholds, made to fit, refined), and the
+cheapest plan that fits is the incumbent, which prunes the search. The search stops when the
+bound is within `mip_gap` of the incumbent, when its deterministic work limits are spent (simplex
+iterations: at most WORK_FACTOR root LPs' worth and WORK_ROWS / rows; and MAX_LPS LPs), or at the
+wall-clock deadline if one is given. The plans given as `starts` (the other strategies' plans,
+refined) are incumbents from the start.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from remat.graph_capture.training_graph import TrainingGraph
+from remat.solver.bounds import safe_bound
+from remat.solver.certify import certify
+from remat.solver.guided import best_guided
+from remat.solver.relaxation import Relaxation
+from remat.solver.simulator import simulate
+
+__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS"]
+
+PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
+MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
+
+
+WORK_FACTOR = 30  # the branch and bound's simplex iterations, at most, in root LPs' worth
+WORK_ROWS = 6e9  # ... and at most WORK_ROWS / rows iterations (an iteration's cost grows with the rows)
+
+
+@dataclass
+class CertifiedResult:
+    """The best plan found (None: none fits), its extra cost, and the proven lower bound (math.inf:
+    the relaxation proves that no schedule fits)."""
+
+    schedule: list[str] | None
+    extra_cost: float
+    bound: float
+    details: dict = field(default_factory=dict)
+
+
+def certified_search(graph: TrainingGraph, budget: int, *, starts: list[tuple[str, list[str]]] = (),
+                     mip_gap: float = 1e-4, max_iterations: int | None = None,
+                     time_limit_s: float | None = None, relaxation: dict | None = None) -> CertifiedResult:
+    """Plans and a lower bound for `graph` under `budget` (see the module docstring). starts:
+    (name, schedule) plans to begin with (those over the budget are ignored)."""
+    t0 = time.perf_counter()
+    rel = Relaxation(graph, budget, **(relaxation or {}))
+    details = {"relaxation": {"variables": rel.model.num_vars, "rows": rel.model.num_rows, "dense": rel.dense,
+                              "groups": len(rel.groups), "build_s": round(time.perf_counter() - t0, 3)}}
+    best: list = [None, math.inf, None]  # schedule, extra cost, source
+    for name, sched in starts:
+        sim = simulate(graph, sched)
+        if sim.peak_bytes <= budget and sim.extra_cost < best[1]:
+            best[:] = [sched, sim.extra_cost, name]
+    if rel.infeasible_at is not None:
+        details["infeasible_row"] = graph.nodes[rel.infeasible_at].name
+        return CertifiedResult(None, math.inf, math.inf, details)
+    cs = rel.cost_scale
+    attempts = {"n": 0}
+    plans_log: list = []
+
+    def on_solution(x, value, force: bool = False) -> float:
+        if attempts["n"] > PLAN_ATTEMPTS and not force:
+            return best[1] / cs
+        attempts["n"] += 1
+        found = best_guided(graph, rel, x, budget)
+        if found is not None:
+            sched, record = found
+            cost = simulate(graph, sched).extra_cost
+            plans_log.append({"lp_value": value * cs, "thresholds": record})
+            if cost < best[1]:
+                best[:] = [sched, cost, "relaxation"]
+        return best[1] / cs
+
+    left = None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
+    if max_iterations is None:
+        max_iterations = int(max(20_000, WORK_ROWS / max(rel.model.num_rows, 1)))
+    cert = certify(rel, incumbent=best[1] / cs, target_gap=mip_gap, max_iterations=max_iterations,
+                   work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution)
+    if cert.infeasible:
+        details["infeasible_row"] = None
+        return CertifiedResult(None, math.inf, math.inf, details)
+    if cert.x is not None and cert.bound * cs < best[1]:  # the best open node's solution, always
+        on_solution(cert.x, cert.bound, force=True)
+    bound = safe_bound(rel, cert.bound)
+    details["certify"] = {"root_bound": safe_bound(rel, cert.root), "bound": bound, "lps": cert.lps,
+                          "iterations": cert.iterations, "stopped_by": cert.stopped_by,
+                          "s": round(cert.seconds, 3)}
+    details["guided_plans"] = plans_log
+    details["plan_source"] = best[2]
+    details["certified_s"] = round(time.perf_counter() - t0, 3)
+    return CertifiedResult(best[0], best[1], min(bound, best[1]), details)

@@ -1,0 +1,191 @@
+"""Plans read off the relaxation's solution (solver/relaxation.py), then made to fit and refined.
+
+The relaxation says, at each row where it models a value, whether the value is live after that
+row. `schedule_from_live` turns that into a schedule: the graph's nodes in order, a value dropped
+after every row where the relaxation keeps it live below a threshold, and any input that is not
+live recomputed (recursively) right before the step that reads it. LP solutions are fractional, so
+several thresholds give several plans. `fit` drops more values where the simulated peak is over
+the budget, `best_guided` refines every plan that fits (solver/refine.py) and keeps the cheapest.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from remat.graph_capture.training_graph import TrainingGraph
+from remat.solver.refine import drop_recomputations, prune_unread
+from remat.solver.relaxation import SAFETY, Relaxation
+from remat.solver.simulator import simulate
+
+__all__ = ["schedule_from_live", "drops_at", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS"]
+
+THRESHOLDS = (0.9, 0.5)
+
+
+def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool = True) -> list[str]:
+    """The schedule that computes the nodes in order, forgets after row t every value in
+    drops[t] (index of a recomputable node), and recomputes a forgotten input right before the
+    step that reads it (its own forgotten inputs first); unread instances pruned if `prune`."""
+    nodes, idx = graph.nodes, graph.index
+    inputs = [[idx[i] for i in v.inputs] for v in nodes]
+    valid = [False] * len(nodes)
+    sched: list[str] = []
+
+    def ensure(u: int) -> None:
+        stack = [(u, False)]
+        while stack:
+            w, ready = stack.pop()
+            if valid[w]:
+                continue
+            if ready:
+                sched.append(nodes[w].name)
+                valid[w] = True
+                continue
+            stack.append((w, True))
+            stack.extend((i, False) for i in inputs[w] if not valid[i])
+
+    for t, v in enumerate(nodes):
+        for i in inputs[t]:
+            ensure(i)
+        sched.append(v.name)
+        valid[t] = True
+        for u in drops[t]:
+            valid[u] = False
+    return prune_unread(graph, sched) if prune else sched
+
+
+def drops_at(rel: Relaxation, x: np.ndarray, threshold: float) -> list[set[int]]:
+    """drops[t]: the recomputable values the relaxation keeps live after row t below `threshold`
+    and computes again later above 1 - threshold (a value is dropped when any of its parts is)."""
+    drops: list[set[int]] = [set() for _ in range(rel.n)]
+    for (u, k, t), col in rel.L.items():
+        c = rel.C.get((u, t))  # not needed there unless C: the relaxation need not keep it
+        if rel.rec[u] and x[col] < threshold and c is not None and x[c] > 1 - threshold:
+            drops[t if t < rel.n else rel.sit[t - rel.n][0] - 1].add(u)  # a sitting state: from its start
+    return drops
+
+
+def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: int = 60) -> list[str] | None:
+    """Drop more values until the schedule fits `budget`. Each round simulates the schedule once
+    and, at every step over the budget, forgets the live forward values with the least
+    recomputation cost per byte, enough of them to cover that step's excess, after the last first
+    computation before the step. None when nothing more can be dropped."""
+    from remat.solver.simulator import last_reads
+
+    nodes, idx = graph.nodes, graph.index
+    inputs = [{idx[i] for i in v.inputs} for v in nodes]
+    drops = [set(d) for d in drops]
+    for _ in range(max_rounds):
+        sched = schedule_from_live(graph, drops, prune=False)
+        sim = simulate(graph, sched)
+        if sim.peak_bytes <= budget:
+            return prune_unread(graph, sched)
+        frees = last_reads(graph, sched)
+        live: set[int] = set()
+        row, grew = -1, False
+        chosen: dict[int, int] = {}  # row -> bytes already dropped there this round
+        for s, name in enumerate(sched):
+            v = idx[name]
+            row = max(row, v)
+            excess = sim.timeline[s] - budget - chosen.get(row, 0)
+            if excess > 0:
+                busy = inputs[v] | {v}
+                cands = sorted((u for u in live if nodes[u].recomputable and u not in drops[row] and u not in busy
+                                and nodes[u].out_bytes > 0), key=lambda u: nodes[u].cost / nodes[u].out_bytes)
+                for u in cands:  # the cheapest per byte, until their bytes cover the excess
+                    drops[row].add(u)
+                    chosen[row] = chosen.get(row, 0) + nodes[u].out_bytes
+                    excess -= nodes[u].out_bytes
+                    grew = True
+                    if excess <= 0:
+                        break
+            live.add(v)
+            for f, _ in frees[s]:
+                live.discard(idx[f])
+        if not grew:
+            return None
+    return None
+
+
+def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: int,
+                thresholds=THRESHOLDS) -> tuple[list[str], dict] | None:
+    """The cheapest refined plan over the thresholds (each made to fit first), with a record of
+    what each threshold gave; None when none could be made to fit."""
+    best, record = None, {}
+    seen = set()
+    for th in thresholds:
+        drops = drops_at(rel, x, th)
+        key = tuple(frozenset(d) for d in drops)
+        if key in seen:
+            continue
+        seen.add(key)
+        sched = fit(graph, drops, budget)
+        if sched is None:
+            record[th] = None
+            continue
+        sched = drop_recomputations(graph, sched, budget)
+        sim = simulate(graph, sched)
+        record[th] = sim.extra_cost
+        if best is None or sim.extra_cost < best[1]:
+            best = (sched, sim.extra_cost)
+    return (best[0], record) if best else None
+
+
+def lowest_peak_search(graph: TrainingGraph, probes: int | None = None) -> tuple[list[str], int]:
+    """A low-peak schedule, and a proven lower bound on every schedule's peak (bytes).
+
+    Start: the schedule read off the relaxation of the smallest peak (Relaxation with budget None:
+    recomputation free), whose optimum is the first bound. Then bisect between the bound and the
+    best peak found: a probe budget is first tried with `fit` on that schedule's drops, then with
+    the cost relaxation at that budget (its plans, `best_guided`); when that relaxation's LP is
+    infeasible no schedule fits the probe budget, and the bound rises to it."""
+    rel = Relaxation(graph, None)
+    sol = rel.model.solve()
+    if sol.x is None:
+        return [v.name for v in graph.nodes], 0
+    bound = max(0, int(sol.bound * rel.mem_scale * (1 - SAFETY)) - 1)
+    best, best_peak, best_drops = None, None, None
+    for th in (0.9, 0.5):
+        drops = drops_at(rel, sol.x, th)
+        sched = schedule_from_live(graph, drops)
+        peak = simulate(graph, sched).peak_bytes
+        if best_peak is None or peak < best_peak:
+            best, best_peak, best_drops = sched, peak, drops
+    if probes is None:
+        probes = 16 if len(graph.nodes) <= 1500 else 4
+    lo = bound
+    for _ in range(probes):
+        if best_peak - lo <= 1:
+            break
+        mid = (lo + best_peak) // 2
+        sched = fit(graph, best_drops, mid, max_rounds=30)
+        if sched is None:
+            probe = Relaxation(graph, mid)
+            lp = probe.model.solve() if probe.infeasible_at is None else None
+            if lp is None or lp.status == "infeasible":
+                lo = bound = mid + 1  # proven: nothing fits `mid`
+                continue
+            found = best_guided(graph, probe, lp.x, mid) if lp.x is not None else None
+            sched = found[0] if found else None
+        if sched is None:
+            lo = mid
+        else:
+            best, best_peak = sched, simulate(graph, sched).peak_bytes
+    return best, bound
+
+
+def descend(graph: TrainingGraph, best: list[str], bound: int, search, steps: int = 4) -> tuple[list[str], int]:
+    """Lower the best peak with `search(budget) -> (schedule or None, proven infeasible)` (the
+    certified search, as `solve` runs it), one byte under the best peak at a time, so that `solve`
+    with the same options finds nothing under the lowest peak this reports; the bound rises to a
+    budget the search proves infeasible."""
+    peak = simulate(graph, best).peak_bytes
+    for _ in range(steps):
+        if peak - 1 < bound:
+            break
+        sched, proven = search(peak - 1)
+        if sched is None:
+            if proven:
+                bound = peak
+            break
+        best, peak = sched, simulate(graph, sched).peak_bytes
+    return best, bound

@@ -1,0 +1,271 @@
+"""The rows of the relaxation (solver/relaxation.py, whose docstring states each fact): states row
+by row and the sitting states, the links between consecutive states of a group, the memory rows,
+and the cost.
+"""
+from __future__ import annotations
+
+__all__ = ["build_rows"]
+
+
+def build_rows(rel) -> None:
+    """Build every variable and row of `rel` (a Relaxation whose data is prepared)."""
+    m, n, nodes = rel.model, rel.n, rel.g.nodes
+    rec, P, lastrd, grp = rel.rec, rel.P, rel.lastrd, rel.grp
+    ms = rel.mem_scale
+    bases = rel._bases()
+    carry: dict = {}  # (group, state) -> {u: deadline the state's C must reach}
+    closing = [[] for _ in range(n + 1)]
+    open_by_group: dict = {}
+    nonrec_open = 0  # bytes of non-recomputable parts some first computation at or after t reads
+    sitting_at = [[] for _ in range(n)]
+    for gi, s in enumerate(rel.sit):
+        if s is not None:
+            for t in range(s[0], s[1] + 1):
+                sitting_at[t].append(gi)
+    for t in range(n):
+        if t:
+            u = t - 1
+            for k, b in enumerate(P[u]):
+                if lastrd[u][k] >= t:
+                    closing[lastrd[u][k]].append((u, k))
+                    if grp[u] >= 0:
+                        open_by_group.setdefault(grp[u], set()).add((u, k))
+                    if not rec[u]:
+                        nonrec_open += b
+            for (u, k) in closing[t - 1]:
+                if grp[u] >= 0:
+                    open_by_group[grp[u]].discard((u, k))
+                if not rec[u]:
+                    nonrec_open -= P[u][k]
+        for gi in sitting_at[t]:
+            if rel.sit[gi][0] == t:
+                _sitting_state(rel, gi, t, open_by_group.get(gi, set()), carry)
+        det = set(rel.run_at[t])
+        read_t = set(rel.reads[t])
+        Lt = _row_state(rel, t, det, open_by_group, carry)
+        fixed = bases[t] + nodes[t].out_bytes + nodes[t].kept_bytes + nodes[t].workspace_bytes
+        fixed += nonrec_open + sum(P[u][k] for u, k in read_t if rec[u])
+        terms = [(col, P[u][k] / ms) for (u, k), col in Lt.items() if (u, k) not in read_t]
+        sits = [rel.sitting[gi][2] for gi in sitting_at[t] if gi in rel.sitting]
+        terms += [(col, 1.0) for col in sits]
+        if rel.peak is not None:  # the peak's model: every row at most the variable P
+            m.row(terms + [(rel.peak, -1.0)], hi=-fixed / ms)
+        else:
+            if fixed > rel.budget and rel.infeasible_at is None:
+                rel.infeasible_at = t
+            m.row(terms, hi=(rel.budget - fixed) / ms)
+        ends = []
+        for gi in sorted(det):
+            a = rel.chain_prev.get((gi, t))
+            if a is not None:
+                ends += _link(rel, gi, a, t, carry)
+        _dependencies(rel, t, ends, det)
+        if rel.transients:
+            _transients(rel, t, det, Lt, read_t, sits, bases[t] + nonrec_open,
+                        [(u, R) for u, R in ends if rel.interval[u, t][0] == t - 1])
+        for gi in det:
+            _carry(rel, gi, t, carry)
+    for gi in range(len(rel.groups)):  # a computation after the last state still costs
+        last = rel.chain_last[gi]
+        for u in rel.members[gi]:
+            c = rel.C.get((u, last))
+            if c is not None:
+                R = _R(rel, u, last, -1)
+                m.row([(c, 1.0), (R, -1.0)], hi=0.0)
+
+
+def _R(rel, u: int, a: int, b: int) -> int:
+    """The variable 'u is computed in the interval (a, b]', costing c_u in the objective."""
+    cost = 0.0 if rel.peak is not None else rel.g.nodes[u].cost / rel.cost_scale
+    col = rel.model.var(0.0, 1.0, cost=cost, integral=True)
+    rel.R[u, b] = col
+    rel.interval[u, b] = (a, b)
+    return col
+
+
+def _state(rel, s: int, need_rec: list, cset: set, seeds: dict, within: set, t: int) -> dict:
+    """Variables and need/closure rows of state s: need_rec parts live or C; C for cset with
+    deadlines (readers' deadlines propagate to their inputs; seeds carried from the previous
+    state); closure to inputs whose group is in `within`. Returns {(u, k): L column}."""
+    m, rec, grp, lastrd = rel.model, rel.rec, rel.grp, rel.lastrd
+    D = dict(seeds)
+    for (u, k) in need_rec:
+        D[u] = max(D.get(u, 0), rel._next_read(u, k, t))
+    for v in sorted(cset, reverse=True):  # readers before their inputs
+        for w, _ in rel.reads[v]:
+            if w in cset:
+                D[w] = max(D.get(w, 0), D[v])
+    Ls: dict = {}
+
+    def L(u, k):
+        col = Ls.get((u, k))
+        if col is None:
+            col = Ls[u, k] = rel.L[u, k, s] = m.var(0.0, 1.0, integral=True)
+        return col
+
+    for u, d in D.items():
+        rel.C[u, s] = m.var(0.0, 1.0)
+        rel.D[u, s] = d
+    for (u, k) in need_rec:
+        m.row([(L(u, k), 1.0), (rel.C[u, s], 1.0)], lo=1.0)
+    for v in cset:
+        for (u, k) in rel.reads[v]:
+            if grp[u] not in within:
+                continue
+            if rec[u]:
+                m.row([(rel.C[v, s], 1.0), (rel.C[u, s], -1.0), (L(u, k), -1.0)], hi=0.0)
+            elif lastrd[u][k] <= t:  # a non-recomputable part no later first computation holds
+                m.row([(rel.C[v, s], 1.0), (L(u, k), -1.0)], hi=0.0)
+    return Ls
+
+
+def _closure(rel, roots, within: set) -> set:
+    rec, grp = rel.rec, rel.grp
+    cset, stack = set(), list(roots)
+    while stack:
+        u = stack.pop()
+        if u in cset:
+            continue
+        cset.add(u)
+        for w, _ in rel.reads[u]:
+            if rec[w] and grp[w] in within and w not in cset:
+                stack.append(w)
+    return cset
+
+
+def _row_state(rel, t: int, det: set, open_by_group: dict, carry: dict) -> dict:
+    """Row t's state for the groups modelled in detail there (closure across them)."""
+    rec, lastrd = rel.rec, rel.lastrd
+    need_rec = [(u, k) for gi in det for (u, k) in open_by_group.get(gi, ()) if rec[u] and lastrd[u][k] > t]
+    if rel.fwd_reads_only and t <= rel.E:  # forward rows: only what the forward reads
+        need_rec = [(u, k) for u, k in need_rec if rel._next_read(u, k, t) <= rel.E]
+    seeds: dict = {}
+    for gi in det:
+        seeds.update(carry.pop((gi, t), {}))
+    cset = _closure(rel, [u for u, _ in need_rec], det)
+    return _state(rel, t, need_rec, cset, seeds, det, t)
+
+
+def _sitting_state(rel, gi: int, t0: int, open_parts: set, carry: dict) -> None:
+    """The group's one state over its sitting rows, and the column M of its live bytes there."""
+    m, rec, P = rel.model, rel.rec, rel.P
+    s = rel.n + gi
+    need_rec = [(u, k) for (u, k) in open_parts if rec[u]]
+    seeds = carry.pop((gi, s), {})
+    cset = _closure(rel, [u for u, _ in need_rec], {gi})
+    Ls = _state(rel, s, need_rec, cset, seeds, {gi}, t0)
+    parts = [(col, P[u][k]) for (u, k), col in Ls.items()]
+    M = m.var(0.0, sum(b for _, b in parts) / rel.mem_scale)
+    m.row([(M, 1.0)] + [(col, -b / rel.mem_scale) for col, b in parts], lo=0.0)
+    rel.sitting[gi] = (rel.sit[gi][0], rel.sit[gi][1], M, parts)
+    a = rel.chain_prev.get((gi, s))
+    if a is not None:
+        ends = _link(rel, gi, a, s, carry)
+        _dependencies(rel, s, ends, {gi})
+    _carry(rel, gi, s, carry)
+
+
+def _link(rel, gi: int, a: int, b: int, carry: dict) -> list:
+    """keep and count rows between consecutive states a, b of group gi; returns [(u, R)]."""
+    m, rec, P = rel.model, rel.rec, rel.P
+    top = a if a < rel.n else rel.n
+    start_b = rel._start(b)
+    out = []
+    for u in rel.members[gi]:
+        if u > top:
+            break
+        if rec[u]:
+            cp = rel.C.get((u, a))
+            ks = [k for k in range(len(P[u])) if (u, k, b) in rel.L and (u, k, a) in rel.L]
+            if cp is None and not ks:
+                continue
+            R = _R(rel, u, a, b)
+            out.append((u, R))
+            if cp is not None:
+                later = [] if rel.D[u, a] <= start_b else [(rel.C[u, b], -1.0)]
+                m.row([(cp, 1.0), (R, -1.0)] + later, hi=0.0)
+            for k in ks:
+                m.row([(rel.L[u, k, b], 1.0), (rel.L[u, k, a], -1.0), (R, -1.0)], hi=0.0)
+        else:
+            for k in range(len(P[u])):
+                if (u, k, b) in rel.L and (u, k, a) in rel.L:
+                    m.row([(rel.L[u, k, b], 1.0), (rel.L[u, k, a], -1.0)], hi=0.0)
+    return out
+
+
+def _carry(rel, gi: int, s: int, carry: dict) -> None:
+    """Deadlines of state s's C that reach past the next state's start: that state's C covers
+    them (count row), so its deadline must be at least as late."""
+    nxt = rel.chain_next.get((gi, s))
+    if nxt is None:
+        return
+    start = rel._start(nxt)
+    for u in rel.members[gi]:
+        d = rel.D.get((u, s))
+        if d is not None and d > start:
+            seeds = carry.setdefault((gi, nxt), {})
+            seeds[u] = max(seeds.get(u, 0), d)
+
+
+def _dependencies(rel, b: int, ends: list, det: set) -> None:
+    """R[v,(a,b)] <= L[u,k,a] + R[u,(a,b)] for each input part of v modelled at a, when u's
+    chain has the same interval (its R made on demand)."""
+    m, rec, grp = rel.model, rel.rec, rel.grp
+    for v, Rv in ends:
+        a = rel.interval[v, b][0]
+        for u, k in set(rel.reads[v]):
+            if grp[u] not in det or rel.chain_prev.get((grp[u], b)) != a:
+                continue
+            Lp = rel.L.get((u, k, a))
+            if Lp is None:
+                continue
+            if not rec[u]:
+                m.row([(Rv, 1.0), (Lp, -1.0)], hi=0.0)
+                continue
+            Ru = rel.R.get((u, b))
+            if Ru is None:
+                Ru = _R(rel, u, a, b)
+            m.row([(Rv, 1.0), (Lp, -1.0), (Ru, -1.0)], hi=0.0)
+
+
+def _transients(rel, t: int, det: set, Lt: dict, read_t: set, sits: list, fixed: int, ends: list) -> None:
+    """Memory while v is recomputed between rows t-1 and t: `fixed` (resident, kept, held
+    non-recomputable parts), the sitting groups, W >= the detailed parts carried through the
+    interval (y >= (live after t or read at t) - R), v's bytes and workspace, and each input part
+    computed in the same interval: m (R_v + R_u - 1)."""
+    if not ends:
+        return
+    m, P, rec, grp, ms = rel.model, rel.P, rel.rec, rel.grp, rel.mem_scale
+    W = m.var(0.0, rel.budget / rel.mem_scale)
+    ys: list = []
+    rel.W[t] = (W, ys)
+    terms = [(W, 1.0)] + [(c, -1.0) for c in sits]
+    for (u, k) in set(Lt) | {(u, k) for u, k in read_t if rec[u] and grp[u] in det}:
+        if not rec[u]:
+            if rel.lastrd[u][k] < t:  # not held for a first computation: not in `fixed`
+                terms.append((Lt[u, k], -P[u][k] / ms))
+                ys.append((None, u, k, False))
+            continue
+        R = rel.R.get((u, t))
+        if R is None or rel.interval[u, t][0] != t - 1:
+            continue
+        y = m.var(0.0, 1.0)
+        if (u, k) in read_t:
+            m.row([(y, 1.0), (R, 1.0)], lo=1.0)
+        else:
+            m.row([(y, 1.0), (Lt[u, k], -1.0), (R, 1.0)], lo=0.0)
+        terms.append((y, -P[u][k] / ms))
+        ys.append((y, u, k, (u, k) in read_t))
+    m.row(terms, lo=0.0)
+    nodes = rel.g.nodes
+    for v, Rv in ends:
+        own = nodes[v].out_bytes + nodes[v].workspace_bytes
+        row, rhs = [(W, 1.0), (Rv, own / ms)], (rel.budget - fixed) / ms
+        if rel.peak is not None:
+            row, rhs = row + [(rel.peak, -1.0)], -fixed / ms
+        for u, k in set(rel.reads[v]):
+            Ru = rel.R.get((u, t))
+            if Ru is not None and rel.interval[u, t][0] == t - 1:
+                row += [(Rv, P[u][k] / ms), (Ru, P[u][k] / ms)]
+                rhs += P[u][k] / ms
+        m.row(row, hi=rhs)

@@ -1,0 +1,151 @@
+"""A small sparse LP/MILP builder run on HiGHS (highspy), for models too large to build in PuLP.
+
+The relaxation in solver/bounds.py has tens of thousands of variables; PuLP builds such a model one
+Python object per coefficient. Here variables and rows are plain lists, handed to HiGHS in one
+`passModel` call. Solves are deterministic: one thread, a fixed seed, and (unless the caller gives
+a wall-clock limit) only work limits.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SparseModel", "Solution"]
+
+
+@dataclass
+class Solution:
+    """What HiGHS returned. status: "optimal", "limit" (a limit stopped a MIP), "infeasible", or
+    "error". objective: the incumbent's value (None when there is none); bound: a proven lower
+    bound on the model's minimum (the LP optimum, or the MIP's dual bound), None if unknown.
+    x: the incumbent's variable values (None when there is none)."""
+
+    status: str
+    objective: float | None
+    bound: float | None
+    x: np.ndarray | None
+    seconds: float
+    nodes: int = 0
+
+
+class SparseModel:
+    """Minimise c.x subject to lo <= A x <= hi and variable bounds, some variables integral."""
+
+    def __init__(self):
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.cost: list[float] = []
+        self.integral: list[bool] = []
+        self._starts: list[int] = []
+        self._index: list[int] = []
+        self._value: list[float] = []
+        self._lo: list[float] = []
+        self._hi: list[float] = []
+
+    @property
+    def num_vars(self) -> int:
+        """How many variables the model has."""
+        return len(self.lb)
+
+    @property
+    def num_rows(self) -> int:
+        """How many rows the model has."""
+        return len(self._lo)
+
+    def var(self, lb: float = 0.0, ub: float = 1.0, cost: float = 0.0, integral: bool = False) -> int:
+        """A new variable; returns its column index."""
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.cost.append(cost)
+        self.integral.append(integral)
+        return len(self.lb) - 1
+
+    def row(self, terms, lo: float = -math.inf, hi: float = math.inf) -> None:
+        """Add lo <= sum(a * x_j for j, a in terms) <= hi (repeated columns are summed)."""
+        merged: dict[int, float] = {}
+        for j, a in terms:
+            merged[j] = merged.get(j, 0.0) + a
+        self._starts.append(len(self._index))
+        for j, a in merged.items():
+            if a:
+                self._index.append(j)
+                self._value.append(a)
+        self._lo.append(lo)
+        self._hi.append(hi)
+
+    def highs(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
+              mip_gap: float = 1e-6, msg: bool = False, extra_rows: list | None = None):
+        """A HiGHS instance holding the model (the LP relaxation unless integral), single-threaded
+        with seed 0. extra_rows: [(columns, lo, hi)] rows with coefficients 1 appended after the
+        model's own (the branch-and-bound's class rows)."""
+        import highspy
+
+        from remat.solver.backends import _new_highs
+
+        h = _new_highs(highspy) if not msg else highspy.Highs()
+        h.setOptionValue("output_flag", bool(msg))
+        opts = {"threads": 1, "random_seed": 0, "mip_rel_gap": mip_gap, "mip_abs_gap": 0.0}
+        if max_nodes is not None:
+            opts["mip_max_nodes"] = int(max_nodes)
+        if time_limit_s is not None:
+            opts["time_limit"] = float(max(time_limit_s, 0.01))
+        for k, v in opts.items():
+            h.setOptionValue(k, v)
+        inf = highspy.kHighsInf
+        clip = lambda xs: np.array([inf if x == math.inf else -inf if x == -math.inf else x for x in xs], float)  # noqa: E731
+        starts, index, value = list(self._starts), list(self._index), list(self._value)
+        lo, hi = list(self._lo), list(self._hi)
+        for cols, a, b in extra_rows or ():
+            starts.append(len(index))
+            index += list(cols)
+            value += [1.0] * len(cols)
+            lo.append(a)
+            hi.append(b)
+        n = self.num_vars
+        integ = np.array(self.integral if integral else [False] * n, np.uint8)
+        h.passModel(n, len(lo), len(index), 2, 1, 0.0, np.array(self.cost, float), clip(self.lb), clip(self.ub),
+                    clip(lo), clip(hi), np.array(starts, np.int32), np.array(index, np.int32),
+                    np.array(value, float), integ)
+        return h
+
+    def solve(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
+              mip_gap: float = 1e-6, start: np.ndarray | None = None, msg: bool = False) -> Solution:
+        """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
+        start: a feasible point for the MILP to start from (ignored when HiGHS rejects it)."""
+        import highspy
+
+        t0 = time.perf_counter()
+        h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg)
+        n = self.num_vars
+        if start is not None and integral:
+            h.setSolution(n, np.arange(n, dtype=np.int32), np.asarray(start, float))
+        status = h.run()
+        if status == highspy.HighsStatus.kError:
+            highspy.Highs.resetGlobalScheduler(True)  # another thread count was set before in this process
+            status = h.run()
+        secs = time.perf_counter() - t0
+        M = highspy.HighsModelStatus
+        ms = h.getModelStatus()
+        info = h.getInfo()
+        if ms in (M.kInfeasible, M.kUnboundedOrInfeasible):
+            return Solution("infeasible", None, math.inf, None, secs)
+        has_x = info.primal_solution_status == 2
+        x = np.array(h.getSolution().col_value) if has_x else None
+        obj = info.objective_function_value if has_x else None
+        nodes = int(getattr(info, "mip_node_count", 0) or 0)
+        if not integral:
+            if ms != M.kOptimal:
+                return Solution("error" if ms not in (M.kTimeLimit, M.kIterationLimit) else "limit",
+                                None, None, None, secs)
+            # the LP optimum is the bound (its dual value equals the primal one at optimality)
+            return Solution("optimal", obj, obj, x, secs)
+        bound = info.mip_dual_bound
+        bound = bound if math.isfinite(bound) else None
+        if ms == M.kOptimal:
+            return Solution("optimal", obj, bound if bound is not None else obj, x, secs, nodes)
+        if ms in (M.kSolutionLimit, M.kTimeLimit, M.kIterationLimit, M.kInterrupt):
+            return Solution("limit", obj, bound, x, secs, nodes)
+        return Solution("error", obj, None, x, secs, nodes)

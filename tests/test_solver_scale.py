@@ -1,0 +1,179 @@
+"""The certified solver (checkmate's relaxation, its branch and bound and its plans).
+
+* The relaxation is one: every real schedule, mapped onto its variables
+  (bounds.point_of_schedule), satisfies every row at an objective no higher than its extra cost
+  (so its optimum is a lower bound on any plan's), on chains, random DAGs, transformers, an
+  encoder-decoder whose decoder reads the encoder's output in every block, and a captured ConvNet
+  (multi-output BatchNorm, forward-kept running statistics), in every variant of the model.
+* On the training chains of tests/test_checkmate.py checkmate equals the brute-force optimum and
+  proves it: its lower bound equals that optimum.
+* On graphs of 50 to 150 nodes its cost is at most the flat MILP's (Checkmate's MILP on the fine
+  graph, no coarsening) and its lower bound at most the flat MILP's proven optimum.
+* Determinism, a wall-clock limit, and the proven floor under the smallest feasible budget.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from remat.graph_capture.training_graph import Node
+from remat.solver import checkmate, equal_spacing
+from remat.solver.bounds import lower_bound, peak_lower_bound, point_of_schedule
+from remat.solver.relaxation import Relaxation
+from remat.solver.schedule import keep_all_schedule, schedule_from_kept
+from remat.solver.simulator import simulate
+from tests.conftest import brute_force, random_dag, training_chain, transformer_like, with_backward, random_schedule
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def encoder_decoder(enc: int = 2, dec: int = 2, seed: int = 0):
+    """Not a chain: every decoder block reads the encoder's output (cross attention)."""
+    rng = random.Random(seed)
+    fwd: list[Node] = []
+
+    def add(name, inputs, out, cost, rand=False, kept=0):
+        fwd.append(Node(name=name, op=name.split("_")[0], inputs=tuple(inputs), out_bytes=out, cost=float(cost),
+                        is_random=rand, kept_bytes=kept, workspace_bytes=rng.choice([0, 0, out // 2])))
+        return name
+
+    x = add("src", (), 16, 1)
+    for b in range(enc):
+        h = add(f"mm_e{b}", [x], 48, 8 + rng.randint(0, 3))
+        a = add(f"act_e{b}", [h], 48, 2)
+        d = add(f"drop_e{b}", [a], 12, 1, rand=True)
+        x = add(f"add_e{b}", [x, d], 16, 1)
+    mem = x
+    y = add("tgt", (), 16, 1)
+    for b in range(dec):
+        h = add(f"mm_d{b}", [y], 48, 8 + rng.randint(0, 3))
+        c = add(f"cross_d{b}", [h, mem], 64, 10 + rng.randint(0, 3))
+        a = add(f"act_d{b}", [c], 48, 2)
+        y = add(f"add_d{b}", [y, a], 16, 1)
+    add("loss", [y], 0, 2, kept=4)
+    return with_backward(fwd, resident=20, name=f"encdec{enc}x{dec}_s{seed}", rng=rng)
+
+
+def violations(rel, x) -> list[str]:
+    """Rows and bounds the point breaks (with a relative tolerance)."""
+    m = rel.model
+    starts = m._starts + [len(m._index)]
+    index, value = np.array(m._index), np.array(m._value)
+    out = []
+    for r in range(m.num_rows):
+        a = float(np.dot(value[starts[r]:starts[r + 1]], x[index[starts[r]:starts[r + 1]]]))
+        lo, hi = m._lo[r], m._hi[r]
+        scale = 1 + max(abs(b) for b in (lo, hi, a) if math.isfinite(b))
+        if a < lo - 1e-7 * scale or a > hi + 1e-7 * scale:
+            out.append(f"row {r}: {lo} <= {a} <= {hi}")
+    out += [f"var {j}" for j in range(m.num_vars) if not m.lb[j] - 1e-9 <= x[j] <= m.ub[j] + 1e-9]
+    return out
+
+
+def _convnet():
+    import torch
+
+    import remat
+    from tests.models import ConvNet
+
+    torch.manual_seed(0)
+    return remat.capture(ConvNet(), (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))))
+
+
+GRAPHS = [training_chain(6, 1, random_at=(2,)), training_chain(10, 2), random_dag(18, 0), random_dag(40, 3),
+          transformer_like(2, seed=1), encoder_decoder(2, 3, seed=4)]
+OPTIONS = [{"dense": True}, {"dense": False, "group_target": 5, "fwd_reads_only": False},
+           {"dense": False, "group_target": 12, "fwd_reads_only": True}]
+
+
+@pytest.mark.parametrize("g", GRAPHS + ["convnet"], ids=lambda g: getattr(g, "name", str(g)))
+def test_every_schedule_is_a_point_of_the_relaxation(g):
+    if g == "convnet":
+        g = _convnet()
+    rng = random.Random(len(g.nodes))
+    cands = equal_spacing.checkpoint_candidates(g)
+    scheds = [random_schedule(g, rng, p) for p in (0.0, 0.15, 0.4)]
+    scheds += [schedule_from_kept(g, cands[k - 1::k]) for k in (1, 3)]
+    for sched in scheds:
+        sim = simulate(g, sched)
+        for opts in OPTIONS:
+            for budget in (sim.peak_bytes, None):  # the cost model at the schedule's peak; the peak's model
+                rel = Relaxation(g, budget, **opts)
+                assert rel.infeasible_at is None
+                x = point_of_schedule(rel, sched)
+                assert violations(rel, x) == [], (g.name, opts, budget)
+                objective = float(np.dot(rel.model.cost, x))
+                if budget is None:
+                    assert objective * rel.mem_scale == pytest.approx(sim.peak_bytes)
+                else:
+                    assert objective * rel.cost_scale <= sim.extra_cost * (1 + 1e-9) + 1e-9
+
+
+CHAINS = [(4, 1, "min"), (5, 0, "min"), (7, 1, "min+"), (8, 1, "min"), (9, 0, "mid"), (10, 7, "mid"), (6, 3, "min")]
+
+
+@pytest.mark.parametrize("n, seed, which", CHAINS)
+def test_proves_the_brute_force_optimum(n, seed, which):
+    g = training_chain(n, seed, random_at=(2, n - 1) if seed == 3 else ())
+    lo, _ = brute_force(g, None, objective="peak")
+    hi = simulate(g, keep_all_schedule(g)).peak_bytes
+    budget = {"min": lo, "min+": lo + 2, "mid": (lo + hi) // 2}[which]
+    best, _ = brute_force(g, budget)
+    extra = best - g.total_cost
+    plan = checkmate.solve(g, budget)
+    assert plan.status == "optimal" and plan.total_cost == pytest.approx(best)
+    assert plan.lower_bound <= extra + 1e-9 and plan.lower_bound == pytest.approx(extra, rel=1e-6, abs=1e-6)
+    assert plan.gap == pytest.approx((plan.extra_cost - plan.lower_bound) / plan.extra_cost if extra else 0, abs=1e-12)
+    milp = lower_bound(g, budget, integral=True)  # the relaxation's MILP: the same optimum
+    assert milp.bound == pytest.approx(extra, rel=1e-6, abs=1e-6)
+
+
+FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]
+
+
+@pytest.mark.parametrize("g", FLAT, ids=lambda g: g.name)
+def test_never_worse_than_the_flat_milp(g):
+    assert 50 <= len(g.nodes) <= 300
+    lo = equal_spacing.solve(g, 0).predicted_peak_bytes
+    hi = simulate(g, keep_all_schedule(g)).peak_bytes
+    for frac in (0.3, 0.7):
+        budget = int(lo + frac * (hi - lo))
+        flat = checkmate.solve(g, budget, coarsen_to=None, milp="always", certify=False, max_nodes=3000)
+        ours = checkmate.solve(g, budget)
+        assert ours.fits and simulate(g, ours.schedule).peak_bytes <= budget
+        assert ours.extra_cost <= flat.details["milp_plan"]["extra_cost"] + 1e-9
+        assert ours.extra_cost <= flat.extra_cost + 1e-9
+        if flat.details["milp_status"] == "optimal":  # its proven optimum (in its own, conservative model)
+            assert ours.lower_bound <= flat.details["objective"] + 1e-6
+        assert 0 <= ours.lower_bound <= ours.extra_cost and ours.gap >= 0
+
+
+def test_same_plan_every_time_and_a_time_limit_keeps_the_best_plan():
+    def budget_of(g):
+        lo = equal_spacing.solve(g, 0).predicted_peak_bytes
+        return int(lo + 0.3 * (simulate(g, keep_all_schedule(g)).peak_bytes - lo))
+
+    first = checkmate.solve(transformer_like(2, seed=3), budget_of(transformer_like(2, seed=3)))
+    again = checkmate.solve(transformer_like(2, seed=3), budget_of(transformer_like(2, seed=3)))  # a fresh graph
+    assert again.schedule == first.schedule and again.lower_bound == first.lower_bound
+    g = encoder_decoder(3, 3, seed=1)
+    plan = checkmate.solve(g, budget_of(g), time_limit_s=0.5)
+    es = equal_spacing.solve(g, budget_of(g))
+    assert plan.fits and plan.status in ("optimal", "feasible") and plan.lower_bound is not None
+    assert plan.extra_cost <= es.extra_cost + 1e-9
+
+
+@pytest.mark.parametrize("g", [training_chain(7, 1), random_dag(20, 5), transformer_like(1)], ids=lambda g: g.name)
+def test_no_plan_below_the_peak_floor(g):
+    m, low = checkmate.min_feasible_budget(g, return_plan=True)
+    floor = low.details["peak_lower_bound"]
+    assert floor <= m == low.predicted_peak_bytes
+    assert peak_lower_bound(g)[0] <= floor
+    if len(g.nodes) <= 16:  # the exact smallest peak (schedules in the graph's order: a chain)
+        assert brute_force(g, None, objective="peak")[0] >= floor
+    below = checkmate.solve(g, floor - 1)
+    assert below.status == "infeasible" and below.details["reason"] == "proven infeasible"
+    assert checkmate.solve(g, m).fits
