@@ -24,6 +24,7 @@ from remat.api import capture
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.machine_info import MiB, machine
 from remat.solver import get_solver
+from remat.solver.plan import LOWEST_PEAK
 from remat.solver.checkmate import min_feasible_budget
 
 VARIANTS = [("explicit", "off", 0.0), ("explicit", "exact", 0.0), ("sdpa", "exact", 0.0),
@@ -50,7 +51,7 @@ def main() -> None:
                    "max_kept": max(n.out_bytes + n.kept_bytes for n in g.nodes),
                    "max_workspace": max(n.workspace_bytes for n in g.nodes), "sxs": s2,
                    "keep_all": get_solver("keep_all")(g, None).predicted_peak_bytes,
-                   "equal_spacing_lowest": get_solver("equal_spacing")(g, 1).predicted_peak_bytes,
+                   "equal_spacing_lowest": get_solver("equal_spacing")(g, LOWEST_PEAK).predicted_peak_bytes,
                    "checkmate_min": min_feasible_budget(g, time_limit_s=a.time_limit)}
             rows.append(row)
             lines.append(f"{seq:>5} {attention:<9} {fused:<5} {pdrop:>5.1f} {row['nodes']:>5} {row['max_kept'] / MiB:>9.2f} "

@@ -69,6 +69,7 @@ from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.models import build_mobilenet, build_resnet, build_unet, mobilenet_inputs, resnet_inputs, unet_inputs
 from remat.report import reference_step, training_step
 from remat.solver import get_solver
+from remat.solver.plan import LOWEST_PEAK
 from remat.solver.per_block import find_blocks
 from remat.solver.plan import InfeasibleBudgetError, Plan
 from remat.solver.revolve import NotAChainError
@@ -244,7 +245,7 @@ def run_model(name: str, build, desc: str, trunk: str | None, a) -> tuple[list[R
         if s == "checkmate":
             continue
         try:
-            lows[s] = get_solver(s)(graph, 1).predicted_peak_bytes
+            lows[s] = get_solver(s)(graph, LOWEST_PEAK).predicted_peak_bytes
         except NotAChainError as e:
             notes.append(f"revolve: {e}")
     if a.min_peak:

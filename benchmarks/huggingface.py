@@ -62,7 +62,7 @@ def bench_model(name: str, a, device) -> list[dict]:
              for k, v in hf_batch(name, batch=a.batch, seq=a.seq, image=a.image).items()}
     params = list(model.parameters())
     ref = loss_and_grads(model, params, batch)
-    keep = remat.optimize(model, budget_bytes=2**62, example_inputs=(), example_kwargs=batch, solver="keep_all")
+    keep = remat.optimize(model, example_inputs=(), example_kwargs=batch, solver="keep_all")
     K = peak_of(keep, model, batch, device)
     rows = []
     for frac in [None, *a.fracs]:

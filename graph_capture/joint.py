@@ -24,6 +24,7 @@ import torch.nn as nn
 from remat.compat.torch_private import aot_module_simplified, aot_raw_forward, pytree
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
+from remat.graph_capture.progress import Stage
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "PartitionFailed", "ParameterMismatchError",
            "CompiledStep", "trace_training_step"]
@@ -258,12 +259,14 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
         raise TraceError("nothing requires grad: there is no backward pass to plan")
     step = _FlatStep(model, sig)
     partitioned = []
+    tracing = Stage("tracing the training step (forward and backward)", None, "it")
     try:
         with record_module_spans(model) as spans, route_attention(fused_attention, model):
             # the spans are complete once tracing is done, which is before AOTAutograd partitions
             def partition_with_paths(joint_gm, joint_inputs, **kw):
                 annotate_module_paths(joint_gm, spans)
                 partitioned.append(True)
+                tracing.close()  # traced: the partition function reports its own stages
                 return partition_fn(joint_gm, joint_inputs, **kw)
 
             # [engineer D: mixed precision, library models] trace as torch.compile does, so that
@@ -284,6 +287,8 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
         raise TraceError(f"could not trace the training step of {type(model).__name__}: "
                          f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
                          f"  at {_user_frame(e)}") from e
+    finally:
+        tracing.close()
     if sig.outputs is None:
         raise TraceError("tracing did not run the model's forward")
     if not partitioned:  # AOTAutograd traced it for inference: no output depends on a parameter

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, record_function
 
+from remat.graph_capture.progress import stage
 from remat.compat.torch_private import disable_current_modes, profiler_events
 from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peak, quiet_profile,
                                            storage_bytes)
@@ -152,9 +153,15 @@ def run_cases(cases: list[Case], device: torch.device, allocator: str) -> dict[o
     """key -> (bytes the op's peak rose above its inputs beyond its outputs, real output storages),
     for each case that ran. Each case's arguments are made just before it runs and dropped after,
     so the probe holds one op's tensors at a time."""
+    with stage("probing op workspaces", total=len(cases), unit="op") as progress:
+        return _run_cases(cases, device, allocator, progress)
+
+
+def _run_cases(cases: list[Case], device: torch.device, allocator: str, progress) -> dict[object, tuple[int, tuple]]:
     results: dict[object, tuple[int, tuple]] = {}
     if device.type == "cuda":
         for key, target, make_args in cases:
+            progress.advance()
             try:
                 args, kwargs = make_args()
             except Exception:
@@ -177,6 +184,7 @@ def run_cases(cases: list[Case], device: torch.device, allocator: str) -> dict[o
     outs: list[tuple[int, tuple] | None] = []
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i, (_, target, make_args) in enumerate(cases):
+            progress.advance()
             try:
                 args, kwargs = make_args()  # outside the range: the inputs are not the op's
             except Exception:

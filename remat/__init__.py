@@ -18,11 +18,13 @@ from remat.plan_file import load_plan
 from remat.planning import plan
 from remat.runtime.partition import PlanMismatchError
 from remat.solver.checkmate import SolverFallbackWarning
-from remat.solver.plan import Plan, PlanFileError
+from remat.solver.plan import Plan, PlanFileError, PlanStatus
+from remat.solver.revolve import NotAChainError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 
-__all__ = ["optimize", "plan", "capture", "solve", "measure_peak", "count_flops", "resident_bytes", "Plan", "load_plan",
+__all__ = ["optimize", "plan", "capture", "solve", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
+           "load_plan",
            # the errors and warnings remat documents (README: "What remat refuses")
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "ModeMismatchError", "OutsideBudgetWarning", "SolverFallbackWarning"]
+           "ModeMismatchError", "OutsideBudgetWarning", "SolverFallbackWarning", "NotAChainError"]

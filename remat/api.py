@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from remat.compat.torch_private import compiled_submodules, default_partition
+from remat.graph_capture import progress
 from remat.graph_capture.build import JointGraphInfo, build_training_graph, split_dropout_outputs
 from remat.graph_capture.clones import drop_redundant_clones
 from remat.graph_capture.joint import PartitionFailed, TraceError, trace_training_step
@@ -21,7 +22,7 @@ from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import OutsideBudgetWarning, RematModule
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
-from remat.solver.plan import InfeasibleBudgetError, Plan
+from remat.solver.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
 from remat.validate import budget_in_bytes, check_capture_args, check_optimize_args, check_solve_args
 
 __all__ = ["capture", "solve", "optimize", "TraceError", "InfeasibleBudgetError"]
@@ -73,12 +74,14 @@ class Planner:
 
 
 def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
-            fused_attention: bool | str = True) -> TrainingGraph:
+            fused_attention: bool | str = True, *, quiet: bool = False) -> TrainingGraph:
     """Trace one training step of `model` (forward and backward, ATen level) into a TrainingGraph.
-    `fused_attention`: trace attention as remat's flash op where it can (see `optimize`)."""
+    `fused_attention`: trace attention as remat's flash op where it can (see `optimize`).
+    quiet: no progress on stderr (shown otherwise for stages longer than a couple of seconds)."""
     check_capture_args(model, example_inputs, example_kwargs, fused_attention)  # before any tracing
     planner = Planner(type(model).__name__)
-    trace_training_step(model, _as_tuple(example_inputs), example_kwargs, planner, fused_attention)
+    with progress.quiet(quiet):
+        trace_training_step(model, _as_tuple(example_inputs), example_kwargs, planner, fused_attention)
     return planner.graph
 
 
@@ -88,12 +91,19 @@ def _budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
 
 
 def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkmate",
-          time_limit_s: float | None = None, **solver_kwargs) -> Plan:
+          time_limit_s: float | None = None, *, quiet: bool = False, **solver_kwargs) -> Plan:
     """Plan `graph` under `budget_bytes` with one strategy; raise InfeasibleBudgetError when no
     plan fits, naming the smallest budget found feasible (a budget this call then accepts, with the
     same options). time_limit_s: an optional wall-clock limit on checkmate's MILP (None: only its
-    deterministic work limits, so the plan does not depend on the machine's load)."""
+    deterministic work limits, so the plan does not depend on the machine's load). quiet: no
+    progress on stderr."""
     check_solve_args(graph, budget_bytes, solver, time_limit_s, solver_kwargs)  # before any solving
+    with progress.quiet(quiet):
+        return _solve(graph, budget_bytes, solver, time_limit_s, solver_kwargs)
+
+
+def _solve(graph: TrainingGraph, budget_bytes: int | None, solver: str, time_limit_s: float | None,
+           solver_kwargs: dict) -> Plan:
     fn = get_solver(solver)
     kwargs = dict(solver_kwargs)
     if solver == "checkmate":
@@ -116,7 +126,7 @@ def _smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | 
 
         return min_feasible_budget(graph, time_limit_s=time_limit_s, **solver_kwargs)
     # baselines: the lowest peak they can reach, with no budget they must meet
-    return get_solver(solver)(graph, 1).predicted_peak_bytes
+    return get_solver(solver)(graph, LOWEST_PEAK).predicted_peak_bytes
 
 
 def _rejudge(plan: Plan, graph: TrainingGraph) -> Plan:
@@ -128,7 +138,7 @@ def _rejudge(plan: Plan, graph: TrainingGraph) -> Plan:
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
              solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | str | os.PathLike | None = None,
-             fused_attention: bool | str = True, solve_on_rank: int | None = None,
+             fused_attention: bool | str = True, solve_on_rank: int | None = None, quiet: bool = False,
              **solver_kwargs) -> RematModule:
     """Return a drop-in module whose training step peaks under the budget.
 
@@ -154,12 +164,12 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     `solve_on_rank` (torch.distributed initialised, every rank calling): that rank solves and
     broadcasts its plan, the others deploy it (README: Beyond one device). A model torch.compile
     wrapped (`torch.compile(model)`, `.compile()`d submodules) is traced as the eager model and
-    the plan's forward and backward graphs are compiled by Inductor as they are."""
+    the plan's forward and backward graphs are compiled by Inductor as they are.
+    Tracing, probing and solving show progress on stderr when they take more than a couple of
+    seconds; `quiet=True` silences it."""
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
                         plan, fused_attention, solver_kwargs)  # before any tracing or solving
-    budget = _budget(budget_gb, budget_bytes)
-    if budget is None and plan is None:
-        raise ValueError("give budget_gb or budget_bytes (or a saved plan=)")
+    budget = _budget(budget_gb, budget_bytes)  # None: solver="keep_all" with no budget (checked above)
     args = _as_tuple(example_inputs)
     if plan is not None and not isinstance(plan, Plan):  # the path of a saved plan
         plan = load_plan(plan)
@@ -180,8 +190,9 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
         graphs.use_inductor()
     planner = Planner(type(model).__name__, decide)
-    compiled, sig = trace_training_step(model, args, example_kwargs, planner, fused_attention,
-                                        graph_compilers=graphs.compilers)
+    with progress.quiet(quiet):
+        compiled, sig = trace_training_step(model, args, example_kwargs, planner, fused_attention,
+                                            graph_compilers=graphs.compilers)
     assert planner.plan is not None
     if not sig.outputs.single_scalar:
         warnings.warn(OutsideBudgetWarning(

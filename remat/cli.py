@@ -9,6 +9,7 @@ the run with one line on stderr (`remat demo: error: ...`) and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.machine_info import MiB, machine
 from remat.plan_file import plan_context
 from remat.report import format_table, reference_step, run_strategy
+from remat.graph_capture import progress
 from remat.solver import STRATEGIES
 from remat.runtime.partition import PlanMismatchError
 from remat.solver.plan import InfeasibleBudgetError, PlanFileError
@@ -241,8 +243,8 @@ def plan_cmd(a: argparse.Namespace) -> int:
     except InfeasibleBudgetError as e:
         print(f"infeasible: {e}", file=sys.stderr)
         return 1
-    plan.context = plan_context(model, inputs, fused_attention=a.fused_attention, solver=a.solver,
-                                solver_options={"time_limit_s": a.time_limit})
+    plan = dataclasses.replace(plan, context=plan_context(model, inputs, fused_attention=a.fused_attention,
+                                                          solver=a.solver, solver_options={"time_limit_s": a.time_limit}))
     plan.save(a.out)
     print(f"{a.solver}: {plan.status}, predicted peak {plan.predicted_peak_bytes / MiB:.2f} MiB "
           f"(budget {budget / MiB:.2f}), extra cost {plan.extra_cost / graph.total_cost:.1%}, "
@@ -266,6 +268,9 @@ def _parser() -> _Parser:
     from remat.cli_offline import add_commands  # (imports this module's argument types)
 
     add_commands(sub)
+    for cmd in sub.choices.values():  # every command: progress on stderr unless --quiet
+        cmd.add_argument("--quiet", action="store_true",
+                         help="no progress lines on stderr for long captures and solves")
     return p
 
 
@@ -275,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     a.check(a.parser, a)
     try:
-        return a.fn(a)
+        with progress.quiet(a.quiet):
+            return a.fn(a)
     except (RematArgumentError, PlanFileError) as e:  # checked above already; one line all the same
         a.parser.error(str(e))
         return 2

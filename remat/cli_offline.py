@@ -12,6 +12,7 @@ over it or gradients that differ from the model's (check), with exit code 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import sys
@@ -249,13 +250,14 @@ def _planned_device(a: argparse.Namespace, model) -> str:
     return "cuda" if any(t.device.type == "cuda" for t in model.parameters()) else "cpu"
 
 
-def _details(plan: Plan, graph) -> None:
-    """What a plan made on fake tensors records about its graph (estimated workspaces, ...)."""
+def _details(plan: Plan, graph) -> Plan:
+    """`plan` with what a plan made on fake tensors records about its graph (estimated
+    workspaces, ...)."""
     try:
         from remat.planning import plan_details
     except ImportError:
-        return
-    plan.details = {**plan.details, **plan_details(graph)}
+        return plan
+    return dataclasses.replace(plan, details={**plan.details, **plan_details(graph)})
 
 
 def solve_cmd(a: argparse.Namespace) -> int:
@@ -284,8 +286,7 @@ def solve_cmd(a: argparse.Namespace) -> int:
     ctx = plan_context(model, args, kwargs or None, fused_attention=fused, solver=a.solver,
                        solver_options={"time_limit_s": a.time_limit, **options}, device=device)
     ctx["captured_with"] = how
-    plan.context = ctx
-    _details(plan, graph)
+    plan = _details(dataclasses.replace(plan, context=ctx), graph)
     plan.save(a.out)
     gap = "" if plan.gap is None else f", gap {plan.gap:.1%}"
     print(f"{a.solver}: {plan.status}{gap}; predicted peak {plan.predicted_peak_bytes / MiB:.2f} MiB of a "
@@ -301,7 +302,7 @@ def inspect_cmd(a: argparse.Namespace) -> int:
     """remat inspect: the plan file's summary as text, and the plot with --png."""
     from remat.inspect_plan import NeedsGraphError, plot_timeline, summary_text
 
-    print(summary_text(a.plan, depth=a.depth, top=a.top, name=getattr(a.plan, "loaded_from", "plan")))
+    print(summary_text(a.plan, depth=a.depth, top=a.top, name=a.plan.loaded_from or "plan"))
     if a.png:
         try:
             plot_timeline(a.plan, a.png)

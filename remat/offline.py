@@ -266,7 +266,7 @@ def check_plan(model: nn.Module, args: tuple, kwargs: dict, plan: Plan, *, steps
     ref = [ref_loss] + [p.grad.detach().clone() if p.grad is not None else None for p in params]
     opt = optimize(model, example_inputs=args, example_kwargs=kwargs or None, plan=plan,
                    fused_attention=fused_attention)
-    keep = optimize(model, example_inputs=args, example_kwargs=kwargs or None, budget_bytes=2**62,
+    keep = optimize(model, example_inputs=args, example_kwargs=kwargs or None,
                     solver="keep_all", fused_attention=fused_attention)
     resident = [model, *tensors]
     run, run_keep = _step(opt, args, kwargs), _step(keep, args, kwargs)

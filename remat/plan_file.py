@@ -151,7 +151,7 @@ def _shape_text(item: dict) -> str:
 
 
 def _source(plan: Plan, source: str | None) -> str:
-    path = getattr(plan, "loaded_from", None)  # set by Plan.load
+    path = plan.loaded_from  # set by Plan.load
     return source or (f"plan file {path!r}" if path else "the plan")
 
 

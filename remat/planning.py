@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from remat.api import _as_tuple, solve
+from remat.graph_capture import progress
 from remat.graph_capture.fake_capture import capture_without_memory, planned_device
 from remat.graph_capture.scaled_workspace import ProbeLimits
 from remat.graph_capture.training_graph import TrainingGraph
@@ -56,7 +57,7 @@ def _limits(probe_limit_bytes: Any) -> ProbeLimits:
 def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, *, budget_bytes: int | None = None,
          device="cpu", example_kwargs: dict | None = None, solver: str = "checkmate",
          time_limit_s: float | None = None, fused_attention: bool | str = True,
-         probe_limit_bytes: int | None = None, **solver_kwargs) -> Plan:
+         probe_limit_bytes: int | None = None, quiet: bool = False, **solver_kwargs) -> Plan:
     """Plan one training step of `model` under the budget for `device`, without allocating the
     step's memory: `model` may live on the meta device or be made of fake tensors, and
     `example_inputs` may be meta or fake tensors (only shapes, strides and dtypes are read).
@@ -71,7 +72,7 @@ def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, 
     causal mask among them is not proven causal, so attention reading it stays unfused, and the
     plan will not match the real model's graph if the real mask fuses it (build such a mask in
     `forward`, use `scaled_dot_product_attention(is_causal=True)`, or give the model real buffers).
-    The budget, solver and options are `remat.optimize`'s. Deploy the plan with
+    The budget, solver, options and `quiet` are `remat.optimize`'s. Deploy the plan with
     `remat.optimize(model, example_inputs=..., plan=plan)` on the real model and inputs of the same
     shapes: it is judged again there, with every workspace measured."""
     # remat.optimize's checks (a budget is required), before any tracing
@@ -85,9 +86,10 @@ def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, 
         # does not apply and CPU autocast casts other ops: the graph would not be the GPU's
         raise RematArgumentError("remat.plan cannot plan a step under CUDA autocast (it traces on the CPU); "
                                  "solve on the GPU with remat.optimize, or plan in full precision")
-    graph = capture_without_memory(model, _as_tuple(example_inputs), example_kwargs, device=dev,
-                                   fused_attention=fused_attention, limits=limits)
-    solved = solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
+    with progress.quiet(quiet):
+        graph = capture_without_memory(model, _as_tuple(example_inputs), example_kwargs, device=dev,
+                                       fused_attention=fused_attention, limits=limits)
+        solved = solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
     return dataclasses.replace(solved, details={**solved.details, **plan_details(graph)})
 
 

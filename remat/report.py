@@ -87,7 +87,7 @@ def reference_step(model: nn.Module, inputs: Sequence, seed: int, fused_attentio
     loss = step().detach().clone()
     grads = [p.grad.detach().clone() for p in params]
     step.fresh()
-    keep_all = optimize(model, budget_bytes=2**62, example_inputs=tuple(inputs), solver="keep_all",
+    keep_all = optimize(model, example_inputs=tuple(inputs), solver="keep_all",
                         fused_attention=fused_attention)
     plain = training_step(keep_all, params, inputs)
     flops = count_flops(plain)
@@ -110,7 +110,7 @@ def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes
                  device: str | torch.device | None = None, fused_attention: bool | str = True) -> StrategyRow:
     """Optimize `model` with `strategy` under `budget_bytes` (None: no budget, keep_all only),
     then measure a real step: peak memory, FLOPs, time and gradients against `reference`."""
-    opt = optimize(model, budget_bytes=budget_bytes if budget_bytes is not None else 2**62,
+    opt = optimize(model, budget_bytes=budget_bytes,
                    example_inputs=tuple(inputs), solver=strategy, time_limit_s=time_limit_s, plan=plan,
                    fused_attention=fused_attention)
     params = list(model.parameters())

@@ -170,7 +170,7 @@ def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_i
     budget = budget_in_bytes(budget_gb, budget_bytes)
     if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
         raise RematArgumentTypeError(f"plan must be a remat.Plan or the path of a saved plan, got {_kind(plan)}")
-    if budget is None and plan is None:
-        raise RematArgumentError("give budget_gb or budget_bytes (or a saved plan=)")
+    if budget is None and plan is None and solver != "keep_all":  # keep_all needs no budget
+        raise RematArgumentError("give budget_gb or budget_bytes (or a saved plan=, or solver='keep_all')")
     _solver(solver, solver_kwargs or {})
     _time_limit(time_limit_s)

@@ -59,11 +59,11 @@ def classes(rel: Relaxation) -> list[list[int]]:
 
 def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float = 1e-4,
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
-            time_limit_s: float | None = None, on_solution=None) -> Certificate:
+            time_limit_s: float | None = None, on_solution=None, on_lp=None) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's), and
-    max_lps LPs."""
+    max_lps LPs. on_lp(lps, bound, incumbent), if given, is called after each branching (progress)."""
     import highspy
 
     t0 = time.perf_counter()
@@ -141,6 +141,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
                 count += 1
                 heapq.heappush(heap, (v, count, child, xc))
         log.append((lps, heap[0][0] if heap else incumbent, incumbent))
+        if on_lp is not None:
+            on_lp(lps, log[-1][1], incumbent)
     bound = min(heap[0][0], incumbent) if heap else incumbent
     best_x = heap[0][3] if heap else None
     return Certificate(bound, root, lps, iters, time.perf_counter() - t0, stopped, best_x, log=log)

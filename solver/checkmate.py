@@ -38,7 +38,7 @@ from remat.solver.checkmate_lowest import MILP_MAX_COARSE_NODES, lowest_peak_pla
 from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, set_start, solution_stages
 from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph, judge_schedules,
                                            plan_from_stages)
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.plan import Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.solver.simulator import simulate
 
@@ -144,13 +144,17 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
 def _finish(graph, sched, sim, budget_bytes, bound, mip_gap, details, t0) -> Plan:
     """The Plan for the chosen schedule, with its bound, gap and status."""
     cost = sim.extra_cost
-    bound = min(bound, cost)  # (a plan the bound does not cover can only be cheaper)
+    if bound > cost * (1 + 1e-9) + 1e-6:
+        # The plan is cheaper than the bound: it is not one the relaxation covers (it reorders
+        # first computations, as revolve's can on a branching graph), so nothing is proven about
+        # schedules like it. Say so rather than call it optimal.
+        details["bound_scope"] = (f"the relaxation's bound {bound:g} covers schedules that first compute the nodes "
+                                  "in graph order; this plan reorders them, so its optimality is not proven")
+        bound = 0.0
     gap = (cost - bound) / max(cost, TINY) if cost > TINY else 0.0
-    status = "optimal" if gap <= mip_gap + 1e-12 else "feasible"
-    plan = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=budget_bytes, status=status,
-                              solve_time_s=time.perf_counter() - t0, gap=gap, details=details)
-    plan.lower_bound = bound
-    return plan
+    status = PlanStatus.OPTIMAL if gap <= mip_gap + 1e-12 else PlanStatus.FEASIBLE
+    return plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=budget_bytes, status=status,
+                              solve_time_s=time.perf_counter() - t0, gap=gap, lower_bound=bound, details=details)
 
 
 def _equal_spacing(graph: TrainingGraph, budget_bytes: int, details: dict) -> Plan:

@@ -15,6 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from remat.graph_capture.progress import stage
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.bounds import safe_bound
 from remat.solver.certify import certify
@@ -48,8 +49,14 @@ def certified_search(graph: TrainingGraph, budget: int, *, starts: list[tuple[st
                      time_limit_s: float | None = None, relaxation: dict | None = None) -> CertifiedResult:
     """Plans and a lower bound for `graph` under `budget` (see the module docstring). starts:
     (name, schedule) plans to begin with (those over the budget are ignored)."""
+    with stage(f"checkmate: certified search ({len(graph.nodes)} nodes)", unit="LP") as progress:
+        return _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxation, progress)
+
+
+def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxation, progress) -> CertifiedResult:
     t0 = time.perf_counter()
     rel = Relaxation(graph, budget, **(relaxation or {}))
+    progress.note(vars=rel.model.num_vars, rows=rel.model.num_rows)
     details = {"relaxation": {"variables": rel.model.num_vars, "rows": rel.model.num_rows, "dense": rel.dense,
                               "groups": len(rel.groups), "build_s": round(time.perf_counter() - t0, 3)}}
     best: list = [None, math.inf, None]  # schedule, extra cost, source
@@ -80,8 +87,21 @@ def certified_search(graph: TrainingGraph, budget: int, *, starts: list[tuple[st
     left = None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
     if max_iterations is None:
         max_iterations = int(max(20_000, WORK_ROWS / max(rel.model.num_rows, 1)))
+    total = max(graph.total_cost, 1e-12)
+
+    def on_lp(lps, bound, incumbent) -> None:
+        progress.advance(lps - progress_lps[0])
+        progress_lps[0] = lps
+        facts = {"bound": f"{100 * bound * cs / total:.3f}%"}
+        if math.isfinite(incumbent):
+            facts.update(incumbent=f"{100 * incumbent * cs / total:.3f}%",
+                         gap=f"{100 * (incumbent - bound) / max(incumbent, 1e-12):.2f}%")
+        progress.note(**facts)
+
+    progress_lps = [0]
     cert = certify(rel, incumbent=best[1] / cs, target_gap=mip_gap, max_iterations=max_iterations,
-                   work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution)
+                   work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution,
+                   on_lp=on_lp)
     if cert.infeasible:
         details["infeasible_row"] = None
         return CertifiedResult(None, math.inf, math.inf, details)

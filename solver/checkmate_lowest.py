@@ -26,7 +26,7 @@ from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedule
                                            plan_from_stages, stages_of)
 from remat.solver.checkmate_certified import certified_search
 from remat.solver.guided import descend, lowest_peak_search
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.simulator import simulate
 
 __all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES"]
@@ -67,7 +67,7 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     key = (id(graph), backend, coarsen_to, limits)
     hit = _LOWEST.get(key)
     if hit is not None and hit[0]() is graph:
-        return copy.deepcopy(hit[1])
+        return replace(hit[1], details=copy.deepcopy(hit[1].details))  # (the graph is shared: frozen)
     t0 = time.perf_counter()
     name = default_backend() if backend == "auto" else backend
     g = coarse_graph(graph, coarsen_to)
@@ -87,24 +87,23 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
         sched, bound = descend(graph, sched, bound, search, steps=4 if len(graph.nodes) <= 100 else 2)
     guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
     cands.append((guided.predicted_peak_bytes, "relaxation", guided))
-    es = equal_spacing.solve(graph, 1)
-    es.strategy, es.status = "checkmate", "feasible"
+    es = replace(equal_spacing.solve(graph, LOWEST_PEAK), strategy="checkmate", status=PlanStatus.FEASIBLE)
     cands.append((es.predicted_peak_bytes, "equal_spacing", es))
     failed = [a for a in log if "error" in a]
-    _, source, plan = min(cands, key=lambda c: (c[0], c[2].extra_cost))
-    plan.details["schedule_source"] = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)",
-                                       "equal_spacing": "equal_spacing (lowest peak)"}[source]
-    plan.details["lowest_peak_candidates"] = {s: p for p, s, _ in cands}
-    plan.details["peak_lower_bound"] = bound  # proven: no schedule peaks lower
+    _, source, chosen = min(cands, key=lambda c: (c[0], c[2].extra_cost))
+    source = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)",
+              "equal_spacing": "equal_spacing (lowest peak)"}[source]
     if failed:
         warn_fallback(f"min-peak MILP backend failure ({failed[0]['error']}); "
-                      f"answered by {log[-1]['backend'] if 'status' in log[-1] else plan.details['schedule_source']}")
-    plan.details["attempts"] = log
-    plan.budget_bytes = plan.predicted_peak_bytes
-    plan.solve_time_s = time.perf_counter() - t0  # coarsening and the comparison included
+                      f"answered by {log[-1]['backend'] if 'status' in log[-1] else source}")
+    details = {**chosen.details, "schedule_source": source, "lowest_peak_candidates": {s: p for p, s, _ in cands},
+               "peak_lower_bound": bound,  # proven: no schedule peaks lower
+               "attempts": log}
+    plan = replace(chosen, details=details, budget_bytes=chosen.predicted_peak_bytes,
+                   solve_time_s=time.perf_counter() - t0)  # coarsening and the comparison included
     # the callback holds the dict itself: at interpreter exit the module global may already be None
     _LOWEST[key] = (weakref.ref(graph, lambda _, k=key, cache=_LOWEST: cache.pop(k, None)), plan)
-    return copy.deepcopy(plan)
+    return replace(plan, details=copy.deepcopy(plan.details))
 
 
 def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",

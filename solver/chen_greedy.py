@@ -35,7 +35,7 @@ import time
 
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.equal_spacing import checkpoint_candidates
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting, schedule_from_kept
 
 __all__ = ["solve", "segment", "thresholds"]
@@ -104,6 +104,4 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, *, rounds: int 
                                                  "kept_bytes": x, "max_segment_bytes": y,
                                                  "candidates": len(cands)}))
     chosen = cheapest_fitting(plans)
-    chosen.details["split_sets_judged"] = len(seen)
-    chosen.solve_time_s = time.perf_counter() - t0
-    return chosen
+    return finished(chosen, t0, details={**chosen.details, "split_sets_judged": len(seen)})

@@ -12,7 +12,7 @@ import time
 import networkx as nx
 
 from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting, schedule_from_kept
 
 __all__ = ["solve", "checkpoint_candidates"]
@@ -40,6 +40,4 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) ->
         plans.append(plan_from_schedule(graph, schedule_from_kept(graph, kept), strategy="equal_spacing",
                                         budget_bytes=budget_bytes, status="heuristic",
                                         details={"k": k, "checkpoints": len(kept), "candidates": len(cands)}))
-    chosen = cheapest_fitting(plans)
-    chosen.solve_time_s = time.perf_counter() - t0
-    return chosen
+    return finished(cheapest_fitting(plans), t0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import keep_all_schedule
 
 __all__ = ["solve"]
@@ -15,7 +15,4 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) ->
     t0 = time.perf_counter()
     plan = plan_from_schedule(graph, keep_all_schedule(graph), strategy="keep_all",
                               budget_bytes=budget_bytes, status="heuristic")
-    plan.solve_time_s = time.perf_counter() - t0
-    if not plan.fits:
-        plan.status = "infeasible"
-    return plan
+    return finished(plan, t0)

@@ -39,7 +39,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import schedule_from_kept
 
 __all__ = ["solve", "find_blocks", "repeated_containers", "block_kept"]
@@ -119,7 +119,4 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, *,
                               budget_bytes=budget_bytes, status="heuristic",
                               details={"containers": conts, "blocks": len(blocks),
                                        "block_names": list(blocks), "kept": len(kept)})
-    if not plan.fits:
-        plan.status = "infeasible"
-    plan.solve_time_s = time.perf_counter() - t0
-    return plan
+    return finished(plan, t0)

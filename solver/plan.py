@@ -18,18 +18,35 @@ import json
 import math
 import os
 import secrets
+import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.solver.simulator import simulate
 
-__all__ = ["Plan", "plan_from_schedule", "InfeasibleBudgetError", "PlanFileError", "PlanFileNotFoundError",
+__all__ = ["Plan", "PlanStatus", "plan_from_schedule", "finished", "LOWEST_PEAK", "InfeasibleBudgetError", "PlanFileError", "PlanFileNotFoundError",
            "SCHEMA_VERSION", "FORMAT"]
 
 SCHEMA_VERSION = 2  # of the plan file; 1: the files written before it was recorded (no version key)
 FORMAT = "remat plan"  # the file's "format" key, so a foreign JSON file is named as such
 _SOLVE_AGAIN = "solve again (remat solve, or remat.optimize with a budget) and save the new plan"
+
+
+# A budget below every plan's peak: a strategy asked for it answers with the lowest-peak plan it
+# has (status "infeasible"). The one name for "the lowest peak this strategy reaches".
+LOWEST_PEAK = 1
+
+
+class PlanStatus(StrEnum):
+    """What a solver can say about its plan (a str: `plan.status == "optimal"` holds, and the plan
+    file stores the word)."""
+
+    OPTIMAL = "optimal"  # proven: gap within the solver's mip_gap
+    FEASIBLE = "feasible"  # fits the budget; plan.gap says how far from proven
+    HEURISTIC = "heuristic"  # a baseline's plan: fits, nothing proven
+    INFEASIBLE = "infeasible"  # nothing fits; the schedule is the lowest-peak one found
 
 
 class InfeasibleBudgetError(ValueError):
@@ -50,10 +67,12 @@ class PlanFileNotFoundError(PlanFileError, FileNotFoundError):
     """The plan file does not exist (also a FileNotFoundError, as it was before)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """A strategy's answer: the schedule to run and what the simulator predicts for it (saved and
-    loaded as JSON; tied to its graph by the graph's fingerprint)."""
+    loaded as JSON; tied to its graph by the graph's fingerprint). Frozen: a changed plan is a new
+    one (`dataclasses.replace`), so a plan handed out, cached or saved never changes under its
+    holder."""
 
     strategy: str  # "checkmate", "keep_all", "equal_spacing", ...
     budget_bytes: int | None  # what it was asked to fit (None: no budget)
@@ -62,7 +81,7 @@ class Plan:
     total_cost: float
     extra_cost: float  # cost of recomputation, FLOP-equivalents
     extra_flops: int  # matmul-like FLOPs of recomputation (what FlopCounterMode adds)
-    status: str  # "optimal", "feasible" (gap below), "heuristic", or "infeasible"
+    status: PlanStatus  # a PlanStatus (a plain string is converted; an unknown one is an error)
     solve_time_s: float = 0.0
     gap: float | None = None  # relative MIP gap certified by the solver (0 when optimal)
     lower_bound: float | None = None  # proven lower bound on the optimal extra cost at this budget
@@ -73,6 +92,16 @@ class Plan:
     context: dict = field(default_factory=dict)
     # the graph `schedule` was judged on (plan_from_schedule sets it); saved with the plan
     graph: TrainingGraph | None = field(default=None, repr=False, compare=False)
+    # the file it was loaded from (Plan.load sets it; never saved): lets later checks name the file
+    loaded_from: str | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.status, PlanStatus):
+            try:
+                object.__setattr__(self, "status", PlanStatus(self.status))
+            except ValueError:
+                raise ValueError(f"unknown plan status {self.status!r}; one of "
+                                 f"{', '.join(s.value for s in PlanStatus)}") from None
 
     @property
     def recomputed(self) -> dict[str, list[int]]:
@@ -96,7 +125,8 @@ class Plan:
 
         d = {"format": FORMAT, "schema_version": SCHEMA_VERSION}
         plain = asdict(dataclasses.replace(self, graph=None))
-        del plain["graph"]
+        del plain["graph"], plain["loaded_from"]
+        plain["status"] = self.status.value
         schedule = plain.pop("schedule")
         d.update(plain)
         if self.graph is not None:
@@ -126,7 +156,7 @@ class Plan:
         graph_data = data.pop("graph", None) if isinstance(data, dict) else None
         plan = cls(**_checked_fields(data, source))
         if graph_data is not None:
-            plan.graph = _own_graph(plan, graph_data, source)
+            plan = dataclasses.replace(plan, graph=_own_graph(plan, graph_data, source))
         return plan
 
     def save(self, path: str | Path) -> None:
@@ -164,8 +194,7 @@ class Plan:
         except UnicodeDecodeError:
             raise PlanFileError(f"plan file {str(path)!r} is not text: not a saved plan") from None
         plan = cls.from_json(text, source=f"plan file {str(path)!r}")
-        plan.loaded_from = str(path)  # not a field: lets later checks name the file
-        return plan
+        return dataclasses.replace(plan, loaded_from=str(path))
 
 
 def _is_int(x) -> bool:
@@ -185,7 +214,7 @@ _FIELD_CHECKS = {
     "total_cost": (lambda x: _is_num(x) and math.isfinite(x), "a finite number"),
     "extra_cost": (lambda x: _is_num(x) and math.isfinite(x), "a finite number"),
     "extra_flops": (_is_int, "an integer"),
-    "status": (lambda x: isinstance(x, str), "a string"),
+    "status": (lambda x: x in {s.value for s in PlanStatus}, f"one of {', '.join(s.value for s in PlanStatus)}"),
     "solve_time_s": (_is_num, "a number"),
     "gap": (lambda x: x is None or _is_num(x), "a number or null"),
     "graph_fingerprint": (lambda x: isinstance(x, str), "a string"),
@@ -249,22 +278,33 @@ def _checked_fields(data, source: str) -> dict:
     missing = [n for n in required if n not in data]
     if missing:
         raise PlanFileError(f"{source} is not a plan: it lacks {', '.join(missing)}")
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names | ({"loaded_from"} & set(data)))
     if unknown:
         raise PlanFileError(f"{source} has fields this version of remat does not know: {', '.join(unknown)}")
     for name, (ok, what) in _FIELD_CHECKS.items():
         if name in data and not ok(data[name]):
-            raise PlanFileError(f"{source} is not a valid plan: {name} must be {what}, got {data[name]!r:.80}")
+            raise PlanFileError(f"{source} is not a valid plan: {name} must be {what}, got {data[name]!r:.80}; "
+                                f"{_SOLVE_AGAIN}")
     return data
 
 
 def plan_from_schedule(graph: TrainingGraph, schedule: list[str], *, strategy: str,
-                       budget_bytes: int | None, status: str, solve_time_s: float = 0.0,
-                       gap: float | None = None, details: dict | None = None) -> Plan:
-    """Judge `schedule` with the simulator and package it as a Plan."""
+                       budget_bytes: int | None, status: PlanStatus | str, solve_time_s: float = 0.0,
+                       gap: float | None = None, lower_bound: float | None = None,
+                       details: dict | None = None) -> Plan:
+    """Judge `schedule` with the simulator and package it as a Plan (the one constructor the
+    strategies use)."""
     sim = simulate(graph, schedule)
     return Plan(strategy=strategy, budget_bytes=budget_bytes, schedule=list(schedule),
                 predicted_peak_bytes=sim.peak_bytes, total_cost=sim.total_cost,
                 extra_cost=sim.extra_cost, extra_flops=sim.extra_flops, status=status,
-                solve_time_s=solve_time_s, gap=gap, graph_fingerprint=graph.fingerprint(),
+                solve_time_s=solve_time_s, gap=gap, lower_bound=lower_bound, graph_fingerprint=graph.fingerprint(),
                 details=dict(details or {}), graph=graph)
+
+
+def finished(plan: Plan, t0: float, **changes) -> Plan:
+    """`plan` (with `changes`) as a strategy returns it: its solve time counted from `t0`
+    (time.perf_counter()), and status "infeasible" when it does not fit its budget."""
+    plan = dataclasses.replace(plan, **changes) if changes else plan
+    status = plan.status if plan.fits else PlanStatus.INFEASIBLE
+    return dataclasses.replace(plan, solve_time_s=time.perf_counter() - t0, status=status)

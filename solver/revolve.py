@@ -58,7 +58,7 @@ from functools import lru_cache
 import networkx as nx
 
 from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting
 
 __all__ = ["solve", "NotAChainError", "Chain", "find_chain", "revolve_actions", "griewank_p", "optimal_advances"]
@@ -337,6 +337,4 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, *, snapshots: i
                                         budget_bytes=budget_bytes, status="heuristic",
                                         details={"steps": n_steps, "snapshots": c, "advances": adv,
                                                  "states": len(chain.states)}))
-    chosen = cheapest_fitting(plans)
-    chosen.solve_time_s = time.perf_counter() - t0
-    return chosen
+    return finished(cheapest_fitting(plans), t0)

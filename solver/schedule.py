@@ -8,6 +8,7 @@ backward node until its last use. Random nodes and step outputs are always kept.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,7 @@ def cheapest_fitting(plans: Iterable["Plan"]) -> "Plan":
     if lowest is None:
         raise ValueError("no candidate plan to choose from")
     if best is None:
-        lowest.status = "infeasible"
-        return lowest
+        from remat.solver.plan import PlanStatus  # (plan.py imports the simulator, which imports this)
+
+        return dataclasses.replace(lowest, status=PlanStatus.INFEASIBLE)
     return best

@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 
 from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.solver.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import schedule_from_kept
 
 __all__ = ["solve", "attention_cores", "core_outputs", "SOFTMAX_OPS", "MATMUL_OPS", "FUSED_ATTENTION_OPS"]
@@ -147,7 +147,4 @@ def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) ->
                               budget_bytes=budget_bytes, status="heuristic",
                               details={"cores": len(cores), "core_nodes": len(recompute),
                                        "fused_cores": sum(len(c) == 1 for c in cores)})
-    if not plan.fits:
-        plan.status = "infeasible"
-    plan.solve_time_s = time.perf_counter() - t0
-    return plan
+    return finished(plan, t0)

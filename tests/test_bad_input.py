@@ -2,6 +2,7 @@
 anything is traced or solved (the model's forward here raises if it is ever called)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -61,7 +62,7 @@ OPTIMIZE_CASES = [
     (dict(budget_bytes=0), RematArgumentError, "budget_bytes must be positive, got 0"),
     (dict(budget_bytes=-5.0), RematArgumentError, "budget_bytes must be positive"),
     (dict(budget_gb=1, budget_bytes=10**9), RematArgumentError, "give budget_gb or budget_bytes, not both"),
-    (dict(), RematArgumentError, "give budget_gb or budget_bytes (or a saved plan=)"),
+    (dict(), RematArgumentError, "give budget_gb or budget_bytes (or a saved plan=, or solver='keep_all')"),
     (dict(budget_gb=1, solver="magic"), RematArgumentError, "unknown solver 'magic'; choose one of"),
     (dict(budget_gb=1, solver=None), RematArgumentTypeError, "solver must be a string"),
     (dict(budget_gb=1, time_limit_s=0), RematArgumentError, "time_limit_s must be a positive number of seconds"),
@@ -189,8 +190,7 @@ def test_a_failed_save_leaves_the_old_plan_whole(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", disk_full)
-    other = _plan()
-    other.schedule = ["x"] * 1000
+    other = dataclasses.replace(_plan(), schedule=["x"] * 1000)
     with pytest.raises(OSError, match="No space left"):
         other.save(p)
     assert p.read_text() == before and Plan.load(p) == _plan()

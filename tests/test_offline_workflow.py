@@ -7,6 +7,7 @@ Tiny models and equal_spacing (the solver does not matter here) keep this file w
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -310,7 +311,7 @@ def test_check_fails_when_the_measured_peak_exceeds_the_budget(workflow, capsys,
     d, factories, *_ = workflow
     monkeypatch.chdir(d)
     plan = remat.load_plan("plan.json")
-    plan.budget_bytes = plan.predicted_peak_bytes - 1
+    plan = dataclasses.replace(plan, budget_bytes=plan.predicted_peak_bytes - 1)
     plan.save("tight.json")
     with pytest.warns(UserWarning, match="over its budget"):
         assert cli.main(["check", *factories, "--plan", "tight.json", "--steps", "1"]) == 1

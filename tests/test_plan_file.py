@@ -3,6 +3,7 @@ says, and refuses every damaged or edited file with one line saying what is wron
 Hand-made graphs only (no tracing): the whole file runs in a few seconds."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 
@@ -11,7 +12,7 @@ import pytest
 import remat
 from remat.inspect_plan import summary_text
 from remat.solver import equal_spacing, keep_all
-from remat.solver.plan import SCHEMA_VERSION, Plan, PlanFileError
+from remat.solver.plan import LOWEST_PEAK, SCHEMA_VERSION, Plan, PlanFileError, PlanStatus, finished
 from remat.solver.plan_summary import TOP_LEVEL, module_summary, rollup, step_timeline
 from remat.solver.simulator import simulate
 from tests.conftest import transformer_like
@@ -23,8 +24,7 @@ def plan() -> Plan:
     keep = keep_all.solve(g).predicted_peak_bytes
     p = equal_spacing.solve(g, int(0.7 * keep))
     assert p.recomputed and p.fits and p.graph is g
-    p.context = {"model": "tests.Toy", "torch": "2.13.0", "device": "cpu"}
-    return p
+    return dataclasses.replace(p, context={"model": "tests.Toy", "torch": "2.13.0", "device": "cpu"})
 
 
 def _written(tmp_path, plan: Plan) -> tuple:
@@ -62,7 +62,7 @@ def test_round_trip_carries_graph_context_and_summary(tmp_path, plan):
 
 def test_schema_1_files_still_load(tmp_path, plan):
     """A file as the code before schema versions wrote it: the Plan's fields, nothing else."""
-    old = {k: v for k, v in asdict(plan).items() if k not in ("graph", "context", "lower_bound")}
+    old = {k: v for k, v in asdict(plan).items() if k not in ("graph", "context", "lower_bound", "loaded_from")}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
     loaded = Plan.load(path)
@@ -146,3 +146,37 @@ def test_summary_text_reads_like_a_report(plan):
     text = summary_text(plan, depth=2)
     assert "keep_all peak" in text and "this plan's peak" in text and "extra compute" in text
     assert "h.1" in text and "recomp MiB" in text and text.splitlines()[-1].startswith("total")
+
+
+def test_plans_are_frozen_with_a_status_enum(tmp_path, plan):
+    """A plan never changes under its holder; its status is a PlanStatus that reads and saves as
+    the word; an unknown status is refused when built and when loaded."""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.status = "optimal"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.lower_bound = 0.0
+    assert plan.status is PlanStatus.HEURISTIC and plan.status == "heuristic"
+    with pytest.raises(ValueError, match="unknown plan status 'great'"):
+        dataclasses.replace(plan, status="great")
+    path, data = _written(tmp_path, plan)
+    text = path.read_text()
+    assert data["status"] == "heuristic"
+    loaded = Plan.load(path)
+    assert loaded.status is PlanStatus.HEURISTIC and loaded.loaded_from == str(path)
+    assert "loaded_from" not in json.loads(loaded.to_json())
+    assert "status must be one of" in _refused(path, text.replace('"heuristic"', '"great"', 1))
+
+
+def test_finished_marks_a_plan_over_its_budget_infeasible(plan):
+    over = finished(plan, 0.0, budget_bytes=plan.predicted_peak_bytes - 1)
+    assert over.status is PlanStatus.INFEASIBLE and over.solve_time_s > 0 and plan.status is PlanStatus.HEURISTIC
+    assert finished(plan, 0.0).status is PlanStatus.HEURISTIC
+
+
+def test_lowest_peak_is_each_strategys_lowest_plan():
+    """LOWEST_PEAK asks a strategy for its lowest-peak plan: no budget-fitting plan of it peaks lower."""
+    g = transformer_like(blocks=3)
+    low = equal_spacing.solve(g, LOWEST_PEAK)
+    assert low.status is PlanStatus.INFEASIBLE
+    assert not equal_spacing.solve(g, low.predicted_peak_bytes - 1).fits
+    assert equal_spacing.solve(g, low.predicted_peak_bytes).fits
