@@ -13,7 +13,8 @@ their last backward reader; the backward's tangents are listed with their reader
 exist once the backward starts (see TrainingGraph).
 
 Before grouping, `native_dropout`'s output is split off its mask: `native_dropout` keeps producing
-the mask (random, never recomputed, 1 byte per element) and the output becomes `x * mask * scale`,
+the mask (1 byte per element; on CPU replayable from its saved generator state, see
+graph_capture/rng_replay.py) and the output becomes `x * mask * scale`,
 the very arithmetic the CPU kernel performs (bit-identical), which can be recomputed freely. Without
 this the 4-byte output would be tied to the mask's lifetime.
 """

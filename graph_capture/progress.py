@@ -71,7 +71,9 @@ class Stage:
                 from tqdm import tqdm
 
                 self._bar = tqdm(initial=self._n, **self._args)
-                self._bar.start_t = self._t0  # elapsed counts from the stage's start
+                # elapsed counts from the stage's start (tqdm keeps its own clock)
+                self._bar.start_t = self._bar._time() - (time.perf_counter() - self._t0)
+                self._bar.last_print_t = self._bar.start_t
             self._bar.n = self._n
             if self._facts:
                 self._bar.set_postfix(self._facts, refresh=False)

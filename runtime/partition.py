@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from remat.compat.torch_private import extract_fwd_bwd_modules
 from remat.graph_capture.build import JointGraphInfo
+from remat.graph_capture.rng_replay import is_replayable_dropout
 from remat.runtime.compile import RECOMPUTED
 from remat.solver.plan import Plan
 
@@ -42,6 +43,8 @@ def scheduled_joint_graph(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphMod
         c.meta = dict(n.meta)
         if recomputed:  # a value computed again (counted under torch.compile: runtime/compile.py)
             c.meta[RECOMPUTED] = True
+            if is_replayable_dropout(c):  # its mask drawn again from the state saved before the first
+                c.args = (*c.args[:3], True)
         # strict placement: without it the extraction would also copy into the backward any
         # forward node whose inputs happen to be saved, and fx keeps random ops even when unused
         c.meta["partitioner_tag"] = "must_be_in_backward" if backward else "must_be_in_forward"

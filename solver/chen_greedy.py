@@ -14,7 +14,8 @@ What is implemented, exactly:
   such as the residual stream between blocks; equal_spacing.checkpoint_candidates), as Chen's
   candidate set C is "where the graph can be split". Every value between split points is
   recomputed in the backward (schedule_from_kept: on demand, from the nearest kept values).
-  Random values (dropout masks) and step outputs are always kept, never recomputed.
+  Random values (saved generator states, masks that cannot be replayed) and step outputs are
+  always kept, never recomputed; a replayable dropout is recomputed like any other value.
 * **The search over B**: the paper runs Algorithm 3 at B = 0, then at B = sqrt(x * y) where x is
   the kept bytes and y the largest segment of the previous run (memonger repeats this guess three
   times, then sweeps `ntrial` evenly spaced thresholds between the smallest segment size seen and

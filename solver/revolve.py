@@ -19,7 +19,7 @@ A value off the main line (one only the backward reads) joins the step of its la
 without inputs, the step of its first reader). The graph is a chain when
 
   1. every recomputable forward node of step i reads recomputable forward values of step i or
-     state i-1 only (values that are never recomputed, such as dropout masks, may be read from
+     state i-1 only (values that are never recomputed, such as saved generator states, may be read from
      anywhere: they stay in memory);
   2. every backward node reads recomputable forward values of one step i, and possibly state i-1
      (its *reversal* is step i's); a backward node that reads none runs in the reversal of the

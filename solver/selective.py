@@ -22,8 +22,8 @@ What is implemented, exactly:
 * **The core's output is kept**: Megatron's checkpoint returns the attention-over-V product and
   the output projection saves it as its input, so it is not dropped; the recomputation replays
   what the backward needs from q, k, v: the scores, scale, mask, softmax and the dropout's output
-  (its mask is a random value and stays in memory, 1 byte per element, where Megatron replays
-  the RNG state). remat does not re-run the attention-over-V matmul itself, whose recomputed
+  (its mask replayed from the saved generator state, as Megatron replays the RNG state, where
+  remat can: graph_capture/rng_replay.py; else kept, 1 byte per element). remat does not re-run the attention-over-V matmul itself, whose recomputed
   output nothing would read (torch's checkpoint re-runs it): the same memory as Megatron, one
   matmul less of recomputation.
 * **Fused attention** (remat's `flash_attention` op, or PyTorch's `_scaled_dot_product_*`

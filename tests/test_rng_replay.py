@@ -1,0 +1,101 @@
+"""Dropout recomputed from its saved generator state (graph_capture/rng_replay.py): the replay
+draws the same mask with the same allocations as the first computation, a plan that recomputes
+dropout gives the unmodified model's loss, gradients and random stream bit for bit, and the
+rewrite stays off where it is not proven (CUDA, Inductor, a dropout output read as it is)."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+import remat
+from remat.compat.torch_private import fake_tensor_mode
+from remat.default_model import GPTConfig, default_inputs, default_model
+from remat.graph_capture.rng_replay import CPU_STATE_BYTES, dropout, make_dropout_replayable, replays_dropout
+from remat.solver.checkmate import min_feasible_budget
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(3,), (7,), (100,), (64, 33, 17)])
+def test_a_replay_draws_the_first_computations_mask_with_its_allocations(dtype, shape):
+    x = torch.randn(shape).to(dtype)
+    state = torch.get_rng_state()
+    held = []
+    first_peak = remat.measure_peak(lambda: held.append(dropout(state, x, 0.3, False)), resident=[x, state])
+    after = torch.get_rng_state()
+    replays = []
+    replay_peak = remat.measure_peak(lambda: replays.append(dropout(state, x, 0.3, True)), resident=[x, state])
+    assert torch.equal(held[0][1], replays[0][1])  # the mask, bit for bit
+    assert torch.equal(torch.get_rng_state(), after)  # the replay left the generator alone
+    assert first_peak == replay_peak  # the same allocations: the simulator's one workspace holds
+    assert state.numel() == CPU_STATE_BYTES
+
+
+def _grads(f, params, inputs, seed=123):
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = f(*inputs)
+    loss.backward()
+    return [loss.detach().clone()] + [p.grad.clone() for p in params] + [torch.get_rng_state()]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """A small GPT with dropout, its graph and the smallest budget checkmate plans it in."""
+    cfg = GPTConfig(n_layer=2, block_size=64, n_embd=64, n_head=4, batch_size=4, dropout=0.1)
+    model, inputs = default_model(cfg), default_inputs(cfg)
+    g = remat.capture(model, inputs, quiet=True)
+    return model, inputs, g, min_feasible_budget(g)
+
+
+def test_a_plan_that_recomputes_dropout_is_bit_identical_and_measured_as_predicted(gpt):
+    model, inputs, g, lowest = gpt
+    states = [n for n in g.nodes if n.op == "rng_state.default"]
+    drops = [n for n in g.nodes if n.op == "dropout.default"]
+    assert len(states) == len(drops) == 7 and all(s.is_random and not s.recomputable for s in states)
+    assert all(d.recomputable and states[i].name in d.inputs for i, d in enumerate(drops))
+    opt = remat.optimize(model, budget_bytes=lowest, example_inputs=inputs, quiet=True)
+    recomputed = [n for n in opt.plan.recomputed if g.node(n).op == "dropout.default"]
+    assert recomputed, "the lowest-peak plan recomputes no dropout: nothing replayed here"
+    params = list(model.parameters())
+    ref, got = _grads(model, params, inputs), _grads(opt, params, inputs)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))  # loss, every gradient, the RNG state after
+    torch.manual_seed(123)
+    measured = remat.measure_peak(lambda: opt(*inputs).backward(), resident=[model, *inputs])
+    assert measured == opt.plan.predicted_peak_bytes
+
+
+def test_replay_lowers_the_smallest_feasible_budget(gpt, monkeypatch):
+    model, inputs, _, replayed = gpt
+    monkeypatch.setattr("remat.api.replays_dropout", lambda m: False)
+    kept = remat.capture(model, inputs, quiet=True)
+    assert not any(n.op == "dropout.default" for n in kept.nodes)
+    assert replayed < min_feasible_budget(kept)
+
+
+def _dropout_graph(read_output: bool) -> fx.GraphModule:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    d = g.call_function(aten.native_dropout.default, (x, 0.5, True))
+    outs = [g.call_function(operator.getitem, (d, 1))]
+    if read_output:
+        outs.append(g.call_function(operator.getitem, (d, 0)))
+    g.output(tuple(outs))
+    with fake_tensor_mode() as mode:
+        x.meta["val"] = mode.from_tensor(torch.randn(4))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_the_rewrite_stays_off_where_it_is_not_proven():
+    assert make_dropout_replayable(_dropout_graph(False), "cpu") == 1
+    assert make_dropout_replayable(_dropout_graph(True), "cpu") == 0  # its output is read as it is
+    assert make_dropout_replayable(_dropout_graph(False), "cuda") == 0  # CUDA: untested, masks kept
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+    assert replays_dropout(model)
+    model[0].compile()  # Inductor would run the plan: it may reorder the state and the draw
+    assert not replays_dropout(model)
