@@ -72,23 +72,65 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
     t0 = time.perf_counter()
     mip_gap = 0.0 if mip_gap is None else mip_gap
     requested = backend
-    backend = default_backend() if backend == "auto" else backend
-    attempts(backend, False)  # an unknown backend is a caller's error: raise before any work
-    if backend == "highs" and not backend_available("highs"):
-        raise ImportError("backend='highs' needs the `highspy` package (pip install highspy)")
-    if milp not in ("auto", "always", "never"):
-        raise ValueError(f"milp must be 'auto', 'always' or 'never', got {milp!r}")
+    backend = _check_options(backend, milp)
     deadline = None if time_limit_s is None else t0 + time_limit_s
     limits = make_limits(time_limit_s, max_nodes, mip_gap, threads)
     g = coarse_graph(graph, coarsen_to)
     details = {"coarse_nodes": len(g.nodes), "fine_nodes": len(graph.nodes), "backend": backend,
                "backend_requested": requested, "limits": asdict(limits), "coarse_peak_bytes": None}
+    es, cands, milp_plan = _candidates(graph, g, budget_bytes, details, backend=backend, limits=limits,
+                                       deadline=deadline, warm_start=warm_start, msg=msg, milp=milp, certify=certify)
+    refined = _refine(graph, cands, budget_bytes)
+    details["refined"] = {n: {"extra_cost": s.extra_cost, "peak_bytes": s.peak_bytes} for n, (_, s) in refined.items()}
+    bound, proven_infeasible = 0.0, False
+    if certify:
+        bound, proven_infeasible = _certify(graph, budget_bytes, refined, details, mip_gap=mip_gap,
+                                            max_iterations=max_iterations, deadline=deadline)
+    details.setdefault("variables", details.get("relaxation", {}).get("variables"))
+    details.setdefault("constraints", details.get("relaxation", {}).get("rows"))
+    fits = _fitting(refined, budget_bytes, milp_plan, details)
+    if not fits and es is None:  # a large graph the certified search found nothing for: the baselines
+        es, late = _heuristics(graph, budget_bytes, details)
+        # not filtered again: each fits, and refining keeps a plan within the budget
+        fits = [(n, r, sim) for n, (r, sim) in _refine(graph, late, budget_bytes).items()]
+    if not fits:
+        if es is None:
+            es = _equal_spacing(graph, budget_bytes, details)
+        return _nothing_fits(graph, g, budget_bytes, es, details, t0, proven_infeasible, bound,
+                             backend=requested, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
+    sched, sim = _choose(fits, milp_plan, es, details)
+    return _finish(graph, sched, sim, budget_bytes, bound, mip_gap, details, t0)
+
+
+def _check_options(backend: str, milp: str) -> str:
+    """The backend "auto" resolves to; a caller's error (an unknown backend or milp mode, HiGHS
+    asked for but not installed) raises here, before any work."""
+    backend = default_backend() if backend == "auto" else backend
+    attempts(backend, False)  # an unknown backend raises
+    if backend == "highs" and not backend_available("highs"):
+        raise ImportError("backend='highs' needs the `highspy` package (pip install highspy)")
+    if milp not in ("auto", "always", "never"):
+        raise ValueError(f"milp must be 'auto', 'always' or 'never', got {milp!r}")
+    return backend
+
+
+def _heuristics(graph: TrainingGraph, budget_bytes: int, details: dict) -> tuple[Plan, list[tuple[str, list[str]]]]:
+    """equal_spacing's plan, and the heuristic candidates: its schedule when it fits, then the
+    baselines'."""
+    es = _equal_spacing(graph, budget_bytes, details)
+    cands = [("equal_spacing", es.schedule)] if es.fits else []
+    return es, cands + _baselines(graph, budget_bytes)
+
+
+def _candidates(graph, g, budget_bytes, details, *, backend, limits, deadline, warm_start, msg, milp,
+                certify) -> tuple[Plan | None, list[tuple[str, list[str]]], Plan | None]:
+    """Phase 1, the plans to refine: the heuristics' (unless the graph is too large for them and the
+    certified search runs) and, first, the coarse MILP's when `milp` runs it and it fits. Returns
+    (equal_spacing's plan or None, the candidates, the MILP's plan or None)."""
     es = None
     cands: list[tuple[str, list[str]]] = []
     if len(graph.nodes) <= BASELINES_MAX_NODES or not certify:
-        es = _equal_spacing(graph, budget_bytes, details)
-        cands = [("equal_spacing", es.schedule)] if es.fits else []
-        cands += _baselines(graph, budget_bytes)
+        es, cands = _heuristics(graph, budget_bytes, details)
     milp_plan = None
     if milp == "always" or milp == "auto" and len(g.nodes) <= MILP_MAX_COARSE_NODES:
         milp_plan = _milp(graph, g, budget_bytes, backend, limits, deadline, warm_start, msg, details)
@@ -96,40 +138,48 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
             cands.insert(0, ("milp", milp_plan.schedule))
     else:
         details["milp"] = f"not run: {len(g.nodes)} coarse nodes > {MILP_MAX_COARSE_NODES} (milp='always' runs it)"
+    return es, cands, milp_plan
+
+
+def _refine(graph: TrainingGraph, cands: list[tuple[str, list[str]]], budget_bytes: int) -> dict:
+    """Phase 2: each candidate with its needless recomputations dropped on the fine graph, and its
+    simulation: name -> (schedule, simulation)."""
     refined = {}
     for name, sched in cands:
         r = drop_recomputations(graph, sched, budget_bytes)
         refined[name] = (r, simulate(graph, r))
-    details["refined"] = {n: {"extra_cost": s.extra_cost, "peak_bytes": s.peak_bytes} for n, (_, s) in refined.items()}
-    bound, proven_infeasible = 0.0, False
+    return refined
+
+
+def _certify(graph, budget_bytes, refined, details, *, mip_gap, max_iterations, deadline) -> tuple[float, bool]:
+    """Phase 3: the certified search, started from the refined candidates; a plan of its own joins
+    `refined` as "relaxation". Returns (the proven lower bound, whether infeasibility is proven)."""
     starts = [(n, r) for n, (r, _) in refined.items()]
-    if certify:
-        left = None if deadline is None else max(0.5, deadline - time.perf_counter())
-        res = certified_search(graph, budget_bytes, starts=starts, mip_gap=mip_gap, max_iterations=max_iterations,
-                               time_limit_s=left)
-        details.update(res.details)
-        bound = res.bound
-        proven_infeasible = math.isinf(res.bound)
-        if res.schedule is not None and res.details.get("plan_source") == "relaxation":
-            refined["relaxation"] = (res.schedule, simulate(graph, res.schedule))
-    details.setdefault("variables", details.get("relaxation", {}).get("variables"))
-    details.setdefault("constraints", details.get("relaxation", {}).get("rows"))
+    left = None if deadline is None else max(0.5, deadline - time.perf_counter())
+    res = certified_search(graph, budget_bytes, starts=starts, mip_gap=mip_gap, max_iterations=max_iterations,
+                           time_limit_s=left)
+    details.update(res.details)
+    if res.schedule is not None and res.details.get("plan_source") == "relaxation":
+        refined["relaxation"] = (res.schedule, simulate(graph, res.schedule))
+    return res.bound, math.isinf(res.bound)
+
+
+def _fitting(refined: dict, budget_bytes: int, milp_plan: Plan | None, details: dict) -> list:
+    """The refined plans within the budget, as (name, schedule, simulation). When the MILP ran and
+    gave nothing, they answer instead: details["fallback"] says so, with a warning if it failed."""
     fits = [(n, s, sim) for n, (s, sim) in refined.items() if sim.peak_bytes <= budget_bytes]
     if fits and milp_plan is None and "reason" in details:  # the MILP ran and gave nothing: others answer
         details["fallback"] = {"reason": details["reason"], "candidates": sorted({n for n, _, _ in fits})}
         if details.get("milp_failed"):
+            # stacklevel 4: warn_fallback, here, solve, solve's caller
             warn_fallback(f"checkmate: {details['reason']}; answering with the best heuristic plan that fits "
-                          f"(equal_spacing / the relaxation's plans, refined on the fine graph)", stacklevel=3)
-    if not fits and es is None:  # a large graph the certified search found nothing for: the baselines
-        es = _equal_spacing(graph, budget_bytes, details)
-        for name, sched in ([("equal_spacing", es.schedule)] if es.fits else []) + _baselines(graph, budget_bytes):
-            r = drop_recomputations(graph, sched, budget_bytes)
-            fits.append((name, r, simulate(graph, r)))
-    if not fits:
-        if es is None:
-            es = _equal_spacing(graph, budget_bytes, details)
-        return _nothing_fits(graph, g, budget_bytes, es, details, t0, proven_infeasible, bound,
-                             backend=requested, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
+                          f"(equal_spacing / the relaxation's plans, refined on the fine graph)", stacklevel=4)
+    return fits
+
+
+def _choose(fits: list, milp_plan: Plan | None, es: Plan | None, details: dict) -> tuple:
+    """Phase 4: the cheapest fitting plan (then the lowest peak, then the MILP's on a tie), recorded
+    in details with the MILP's own plan. Returns (schedule, simulation)."""
     name, sched, sim = min(fits, key=lambda c: (c[2].extra_cost, c[2].peak_bytes, c[0] != "milp"))
     details["refined_from"] = name
     details["schedule_source"] = "milp" if name == "milp" else name
@@ -138,7 +188,7 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
         if es is not None and es.fits and es.extra_cost < milp_plan.extra_cost - 1e-9:
             details["warning"] = (f"equal_spacing (k={es.details.get('k')}, extra cost {es.extra_cost:g}) beats "
                                   "the MILP's own plan: the limits or the coarsening cost the MILP")
-    return _finish(graph, sched, sim, budget_bytes, bound, mip_gap, details, t0)
+    return sched, sim
 
 
 def _finish(graph, sched, sim, budget_bytes, bound, mip_gap, details, t0) -> Plan:
@@ -211,8 +261,9 @@ def _milp(graph, g, budget_bytes, backend, limits, deadline, warm_start, msg, de
                         "stopped_by": out.stopped_by, "milp_peak_bytes": milp_peak(model),
                         "milp_status": out.status, "milp_gap": out.gap})
         if failed:
+            # stacklevel 5: warn_fallback, here, _candidates, solve, solve's caller
             warn_fallback(f"MILP backend failure ({failed[0]['error']}); answered by {details['backend']}",
-                          stacklevel=4)
+                          stacklevel=5)
         plan = plan_from_stages(graph, g, solution_stages(model), strategy="checkmate", budget=budget_bytes,
                                 status=out.status, t0=t0, gap=out.gap, details={})
         details["coarse_peak_bytes"] = plan.details["coarse_peak_bytes"]

@@ -56,11 +56,22 @@ def _bits(mask: int):
         mask ^= low
 
 
-def build_model(g: TrainingGraph, budget_bytes: int | None, unit: int, *, minimise_peak: bool = False) -> MilpModel:
-    """The MILP over `g` in memory units of `unit` bytes: minimise the extra compute cost with every
-    step within `budget_bytes`, or (minimise_peak, budget None) minimise the peak M."""
-    import pulp
+@dataclass
+class _Shape:
+    """What the model's shape is read from (the shrinking the module docstring describes): the
+    edges as indices, memory in units, and where each node may be computed or kept."""
 
+    inputs: list  # inputs[k]: k's inputs, as indices
+    users: list  # users[i]: the nodes that read i
+    mem: list  # mem[i]: i's output in units, rounded up
+    possible: list  # possible[i]: bitmask of the stages where i may be computed
+    lastread: list  # lastread[i]: the last stage where a reader of i may be computed
+    forced: list  # forced[i]: the stage up to which a non-recomputable i must be kept
+
+
+def _shape(g: TrainingGraph, unit: int) -> _Shape:
+    """Where each node of `g` may be computed and kept, so that variables that can only be 0 are
+    never made."""
     n = len(g.nodes)
     idx = g.index
     inputs = [tuple(idx[i] for i in v.inputs) for v in g.nodes]
@@ -82,140 +93,216 @@ def build_model(g: TrainingGraph, budget_bytes: int | None, unit: int, *, minimi
     # a non-recomputable i must stay in memory until its last non-recomputable reader has run
     forced = [max((u for u in users[i] if not rec[u]), default=i) if not rec[i] else i
               for i in range(n)]
+    return _Shape(inputs=inputs, users=users, mem=mem, possible=possible, lastread=lastread, forced=forced)
 
-    prob = pulp.LpProblem("checkmate", pulp.LpMinimize)
+
+def _rs_variables(sh: _Shape) -> tuple[dict, dict]:
+    """R[t,i] and S[t,i] where they may be 1: a constant 1 where the value is fixed (i's own stage;
+    a keep forced by a non-recomputable reader), a binary elsewhere, absent (0) otherwise."""
+    import pulp
+
     R: dict = {}
     S: dict = {}
-    for i in range(n):
-        for t in _bits(possible[i]):
+    for i in range(len(sh.inputs)):
+        for t in _bits(sh.possible[i]):
             R[t, i] = 1 if t == i else pulp.LpVariable(f"R_{t}_{i}", cat="Binary")
-        for t in range(i + 1, lastread[i] + 1):
-            S[t, i] = 1 if t <= forced[i] else pulp.LpVariable(f"S_{t}_{i}", cat="Binary")
-    S_at = [[] for _ in range(n + 1)]
-    for (t, i), s in S.items():
-        if mem[i]:
-            S_at[t].append((i, s))
+        for t in range(i + 1, sh.lastread[i] + 1):
+            S[t, i] = 1 if t <= sh.forced[i] else pulp.LpVariable(f"S_{t}_{i}", cat="Binary")
+    return R, S
+
+
+def _stages(R: dict, n: int) -> list[list[int]]:
+    """stages[t]: the nodes that may run in stage t, ascending (the order memory is counted in)."""
     stages = [[] for _ in range(n)]
     for (t, i) in R:
         stages[t].append(i)
     for st in stages:
         st.sort()
+    return stages
 
-    def val(d, key):
-        return d.get(key, 0)
 
-    cons = 0
-    # objective: min sum_t sum_i cost_i * R[t,i]; the constant first computations are left out, so
-    # the objective is the extra cost and a relative MIP gap is relative to it
+def _objective(m: MilpModel, minimise_peak: bool):
+    """Set the objective; return the peak variable M when minimising the peak, else None.
+
+    min sum_t sum_i cost_i * R[t,i]; the constant first computations are left out, so the objective
+    is the extra cost and a relative MIP gap is relative to it."""
+    import pulp
+
     if minimise_peak:
         M = pulp.LpVariable("M", lowBound=0)
-        prob += M
-    else:
-        M = None
-        prob += pulp.lpSum(g.nodes[i].cost * r for (t, i), r in R.items() if not isinstance(r, int))
+        m.prob += M
+        return M
+    m.prob += pulp.lpSum(m.g.nodes[i].cost * r for (t, i), r in m.R.items() if not isinstance(r, int))
+    return None
 
-    for t in range(n):
-        for k in stages[t]:
-            # dependencies: R[t,k] <= R[t,i] + S[t,i] for every edge (i,k)
-            for i in inputs[k]:
-                rhs = [x for x in (val(R, (t, i)), val(S, (t, i))) if not _is0(x)]
+
+def _dependency_rows(m: MilpModel, sh: _Shape) -> int:
+    """A node is computed only when its inputs are in memory: R[t,k] <= R[t,i] + S[t,i] for every
+    edge (i,k). Rows with a constant 1 on the right always hold and are left out. Returns the count."""
+    import pulp
+
+    cons = 0
+    for t, st in enumerate(m.stages):
+        for k in st:
+            for i in sh.inputs[k]:
+                rhs = [x for x in (m.R.get((t, i), 0), m.S.get((t, i), 0)) if not _is0(x)]
                 if any(isinstance(x, int) for x in rhs):
                     continue  # a constant 1 on the right: always met
                 if not rhs:
                     raise AssertionError(f"node {k} cannot read {i} in stage {t}")  # by construction
-                prob += R[t, k] <= pulp.lpSum(rhs), f"dep_{t}_{i}_{k}"
+                m.prob += m.R[t, k] <= pulp.lpSum(rhs), f"dep_{t}_{i}_{k}"
                 cons += 1
-    # keeping: S[t+1,i] <= S[t,i] + R[t,i]
-    for (t, i), s in S.items():
+    return cons
+
+
+def _carry_rows(m: MilpModel) -> int:
+    """A value is kept into a stage only if it was kept or computed in the stage before:
+    S[t+1,i] <= S[t,i] + R[t,i]. Returns the count."""
+    import pulp
+
+    cons = 0
+    for (t, i), s in m.S.items():
         if isinstance(s, int):
             continue
-        rhs = [x for x in (val(S, (t - 1, i)), val(R, (t - 1, i))) if not _is0(x)]
+        rhs = [x for x in (m.S.get((t - 1, i), 0), m.R.get((t - 1, i), 0)) if not _is0(x)]
         if any(isinstance(x, int) for x in rhs):
             continue
-        prob += s <= pulp.lpSum(rhs), f"keep_{t}_{i}"
+        m.prob += s <= pulp.lpSum(rhs), f"keep_{t}_{i}"
         cons += 1
+    return cons
 
-    # dominance cuts (they remove only wasteful points, never an optimum):
-    # R[t,i] + S[t,i] <= 1 (never recompute a value already kept), and
-    # S[t,i] <= S[t+1,i] + sum_{j users of i} R[t,j] (keep only what is read or kept on)
-    for (t, i), s in S.items():
+
+def _dominance_rows(m: MilpModel, sh: _Shape) -> int:
+    """Dominance cuts (they remove only wasteful points, never an optimum): R[t,i] + S[t,i] <= 1
+    (never recompute a value already kept), and S[t,i] <= S[t+1,i] + sum_{j users of i} R[t,j]
+    (keep only what is read or kept on). Returns the count."""
+    import pulp
+
+    cons = 0
+    for (t, i), s in m.S.items():
         if isinstance(s, int):
             continue
-        r = val(R, (t, i))
+        r = m.R.get((t, i), 0)
         if not _is0(r):
-            prob += s + r <= 1, f"rs_{t}_{i}"
+            m.prob += s + r <= 1, f"rs_{t}_{i}"
             cons += 1
-        rhs = [x for x in [val(S, (t + 1, i))] + [val(R, (t, j)) for j in users[i]] if not _is0(x)]
+        rhs = [x for x in [m.S.get((t + 1, i), 0)] + [m.R.get((t, j), 0) for j in sh.users[i]] if not _is0(x)]
         if any(isinstance(x, int) for x in rhs):
             continue
-        prob += s <= pulp.lpSum(rhs), f"use_{t}_{i}"
+        m.prob += s <= pulp.lpSum(rhs), f"use_{t}_{i}"
         cons += 1
+    return cons
 
-    FREE: dict = {}
-    U: dict = {}
-    rows: list = []  # (t, k, workspace+kept units of k, constant bytes: resident + kept before t)
+
+def _memory_rows(m: MilpModel, sh: _Shape, budget_bytes: int | None) -> int:
+    """Memory, stage by stage and node by node: U's accounting row, the budget (or peak) row, then
+    the FREE rows of the values freed after the node, in that order. Returns the count."""
+    n = len(m.stages)
+    kept = [[] for _ in range(n + 1)]  # kept[t]: (i, S[t,i]) for the values with bytes
+    for (t, i), s in m.S.items():
+        if sh.mem[i]:
+            kept[t].append((i, s))
+    cons = 0
     kept_before = 0
-    for t in range(n):
-        st = stages[t]
+    for t, st in enumerate(m.stages):
         in_stage = set(st)
-        # U[t,k1] = sum_i mem_i S[t,i] + mem_k1 R[t,k1];
-        # U[t,k_{j+1}] = U[t,k_j] - sum_{i in inputs(k_j) + {k_j}} mem_i FREE[t,i,k_j] + mem R[t,k_{j+1}]
-        prev = None
         for pos, k in enumerate(st):
-            u = pulp.LpVariable(f"U_{t}_{k}", lowBound=0)
-            U[t, k] = u
-            if prev is None:
-                expr = pulp.lpSum(mem[i] * s for i, s in S_at[t])
-            else:
-                kp = st[pos - 1]
-                frees = [mem[i] * FREE[t, i, kp] for i in set(inputs[kp]) | {kp} if (t, i, kp) in FREE]
-                expr = prev - pulp.lpSum(frees)
-            prob += u == expr + mem[k] * R[t, k], f"mem_{t}_{k}"
-            cons += 1
-            # budget: U[t,k] + (workspace_k + kept_k) R[t,k] <= budget - resident - kept before t
-            extra = math.ceil((g.nodes[k].workspace_bytes + g.nodes[k].kept_bytes) / unit)
-            rows.append((t, k, extra, kept_before + g.resident_bytes))
-            if minimise_peak:
-                prob += u + extra * R[t, k] + math.ceil((kept_before + g.resident_bytes) / unit) <= M, \
-                    f"peak_{t}_{k}"
-            else:
-                cap = (budget_bytes - g.resident_bytes - kept_before) // unit
-                prob += u + extra * R[t, k] <= cap, f"budget_{t}_{k}"
-            cons += 1
-            prev = u
+            cons += _accounting_row(m, sh, kept[t], t, st[pos - 1] if pos else None, k)
+            cons += _budget_row(m, t, k, budget_bytes, kept_before)
             if k == t:
-                break
-            # FREE[t,i,k] = R[t,k] (1 - S[t+1,i]) prod_{j users of i, j > k} (1 - R[t,j]):
-            # FREE <= R[t,k]; FREE <= 1 - S[t+1,i]; FREE <= 1 - R[t,j];
-            # FREE >= R[t,k] - S[t+1,i] - sum_j R[t,j]
-            for i in set(inputs[k]) | {k}:
-                if not mem[i]:
-                    continue
-                later = [j for j in users[i] if j > k and j in in_stage]
-                s_next = val(S, (t + 1, i))
-                hazards = [R[t, j] for j in later]
-                if any(isinstance(h, int) for h in hazards) or isinstance(s_next, int) and s_next:
-                    continue  # a constant 1 hazard: never freed here
-                f = pulp.LpVariable(f"FREE_{t}_{i}_{k}", lowBound=0, upBound=1)
-                FREE[t, i, k] = f
-                if not isinstance(R[t, k], int):
-                    prob += f <= R[t, k], f"fr_{t}_{i}_{k}"
-                    cons += 1
-                if not isinstance(s_next, int):
-                    prob += f <= 1 - s_next, f"fs_{t}_{i}_{k}"
-                    cons += 1
-                for j, h in zip(later, hazards):
-                    prob += f <= 1 - h, f"fu_{t}_{i}_{k}_{j}"
-                    cons += 1
-                prob += f >= R[t, k] - s_next - pulp.lpSum(hazards), f"fl_{t}_{i}_{k}"
-                cons += 1
-        kept_before += g.nodes[t].kept_bytes
-    counts = {"R": sum(not isinstance(r, int) for r in R.values()),
-              "S": sum(not isinstance(s, int) for s in S.values()), "FREE": len(FREE),
-              "U": len(U), "constraints": cons}
-    counts["binaries"] = counts["R"] + counts["S"]
-    return MilpModel(g=g, unit=unit, prob=prob, R=R, S=S, FREE=FREE, U=U, stages=stages, M=M,
-                  rows=rows, counts=counts)
+                break  # U after the stage's last node is never read: nothing is freed there
+            cons += _free_rows(m, sh, t, k, in_stage)
+        kept_before += m.g.nodes[t].kept_bytes
+    return cons
+
+
+def _accounting_row(m: MilpModel, sh: _Shape, kept_t: list, t: int, kp: int | None, k: int) -> int:
+    """Make U[t,k], the units in memory after k runs in stage t: U[t,k1] = sum_i mem_i S[t,i] +
+    mem_k1 R[t,k1]; U[t,k_{j+1}] = U[t,k_j] - sum_{i in inputs(k_j) + {k_j}} mem_i FREE[t,i,k_j]
+    + mem R[t,k_{j+1}] (kp = k_j, the node before k in the stage, None for the first). Returns 1."""
+    import pulp
+
+    mem = sh.mem
+    u = pulp.LpVariable(f"U_{t}_{k}", lowBound=0)
+    m.U[t, k] = u
+    if kp is None:
+        expr = pulp.lpSum(mem[i] * s for i, s in kept_t)
+    else:
+        frees = [mem[i] * m.FREE[t, i, kp] for i in set(sh.inputs[kp]) | {kp} if (t, i, kp) in m.FREE]
+        expr = m.U[t, kp] - pulp.lpSum(frees)
+    m.prob += u == expr + mem[k] * m.R[t, k], f"mem_{t}_{k}"
+    return 1
+
+
+def _budget_row(m: MilpModel, t: int, k: int, budget_bytes: int | None, kept_before: int) -> int:
+    """While k runs, U[t,k] + (workspace_k + kept_k) R[t,k] stays within budget - resident - kept
+    before t; when minimising the peak, within M less those constants. The row is recorded in
+    m.rows for milp_peak and set_start. Returns 1."""
+    g, unit, u = m.g, m.unit, m.U[t, k]
+    extra = math.ceil((g.nodes[k].workspace_bytes + g.nodes[k].kept_bytes) / unit)
+    m.rows.append((t, k, extra, kept_before + g.resident_bytes))
+    if m.M is not None:
+        m.prob += u + extra * m.R[t, k] + math.ceil((kept_before + g.resident_bytes) / unit) <= m.M, \
+            f"peak_{t}_{k}"
+    else:
+        cap = (budget_bytes - g.resident_bytes - kept_before) // unit
+        m.prob += u + extra * m.R[t, k] <= cap, f"budget_{t}_{k}"
+    return 1
+
+
+def _free_rows(m: MilpModel, sh: _Shape, t: int, k: int, in_stage: set) -> int:
+    """FREE's linearisation for the values k frees in stage t (its inputs and itself):
+    FREE[t,i,k] = R[t,k] (1 - S[t+1,i]) prod_{j users of i, j > k} (1 - R[t,j]), as
+    FREE <= R[t,k]; FREE <= 1 - S[t+1,i]; FREE <= 1 - R[t,j]; FREE >= R[t,k] - S[t+1,i] - sum_j R[t,j].
+    Returns the count."""
+    import pulp
+
+    cons = 0
+    R = m.R
+    for i in set(sh.inputs[k]) | {k}:
+        if not sh.mem[i]:
+            continue
+        later = [j for j in sh.users[i] if j > k and j in in_stage]
+        s_next = m.S.get((t + 1, i), 0)
+        hazards = [R[t, j] for j in later]
+        if any(isinstance(h, int) for h in hazards) or isinstance(s_next, int) and s_next:
+            continue  # a constant 1 hazard: never freed here
+        f = pulp.LpVariable(f"FREE_{t}_{i}_{k}", lowBound=0, upBound=1)
+        m.FREE[t, i, k] = f
+        if not isinstance(R[t, k], int):
+            m.prob += f <= R[t, k], f"fr_{t}_{i}_{k}"
+            cons += 1
+        if not isinstance(s_next, int):
+            m.prob += f <= 1 - s_next, f"fs_{t}_{i}_{k}"
+            cons += 1
+        for j, h in zip(later, hazards):
+            m.prob += f <= 1 - h, f"fu_{t}_{i}_{k}_{j}"
+            cons += 1
+        m.prob += f >= R[t, k] - s_next - pulp.lpSum(hazards), f"fl_{t}_{i}_{k}"
+        cons += 1
+    return cons
+
+
+def build_model(g: TrainingGraph, budget_bytes: int | None, unit: int, *, minimise_peak: bool = False) -> MilpModel:
+    """The MILP over `g` in memory units of `unit` bytes: minimise the extra compute cost with every
+    step within `budget_bytes`, or (minimise_peak, budget None) minimise the peak M."""
+    import pulp
+
+    sh = _shape(g, unit)
+    R, S = _rs_variables(sh)
+    m = MilpModel(g=g, unit=unit, prob=pulp.LpProblem("checkmate", pulp.LpMinimize), R=R, S=S, FREE={}, U={},
+                  stages=_stages(R, len(g.nodes)))
+    m.M = _objective(m, minimise_peak)
+    # the rows in Checkmate's order (the order the backends see them in)
+    cons = _dependency_rows(m, sh)
+    cons += _carry_rows(m)
+    cons += _dominance_rows(m, sh)
+    cons += _memory_rows(m, sh, budget_bytes)
+    m.counts = {"R": sum(not isinstance(r, int) for r in R.values()),
+                "S": sum(not isinstance(s, int) for s in S.values()), "FREE": len(m.FREE),
+                "U": len(m.U), "constraints": cons}
+    m.counts["binaries"] = m.counts["R"] + m.counts["S"]
+    return m
 
 
 def set_start(model: MilpModel, stages: list[list[int]]) -> bool:
