@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from remat.compat.torch_private import disable_current_modes, fake_tensor_mode, is_fake, pytree
-from remat.graph_capture.rng_replay import make_dropout_replayable, replays_dropout
+from remat.graph_capture.rng_replay import make_dropout_replayable
 from remat.graph_capture.build import build_training_graph, split_dropout_outputs
 from remat.graph_capture.clones import drop_redundant_clones
 from remat.graph_capture.joint import PartitionFailed, trace_training_step
@@ -126,7 +126,6 @@ def capture_without_memory(model: nn.Module, example_inputs: tuple, example_kwar
     probe_device = torch.device("cpu") if dev.type == "cpu" else (dev if torch.cuda.is_available() else None)
     allocator = dev.type
     name = type(model).__name__
-    replay = replays_dropout(model)
     built: list[TrainingGraph] = []
     estimated: list[dict] = []
 
@@ -134,8 +133,7 @@ def capture_without_memory(model: nn.Module, example_inputs: tuple, example_kwar
         try:  # what remat.capture does with the joint graph (remat/api.py), measured as asked
             split_dropout_outputs(joint_gm)
             drop_redundant_clones(joint_gm)
-            if replay:  # as remat.capture does: the same graph, so a plan made here deploys there
-                make_dropout_replayable(joint_gm, dev.type)
+            make_dropout_replayable(joint_gm, dev.type)  # as remat.capture does: the same graph
             probed = probe_ops(joint_gm, probe_device, limits=limits, allocator=allocator)
             info = build_training_graph(joint_gm, num_fwd_outputs, name=name, probe=probed, allocator=allocator)
         except Exception as e:

@@ -2,8 +2,10 @@
 
 Nothing is shown for a stage that ends within DELAY_S seconds, so small models stay silent; a
 longer one shows a tqdm line with its name, its count (ops probed, LPs solved) and what it knows
-so far (nodes, best bound, incumbent, gap), and the elapsed time. `quiet()` (what `quiet=True` /
-`--quiet` turn on) silences every stage in its context, threads included that it starts.
+so far (nodes, best bound, incumbent, gap), and the elapsed time; redrawn twice a second on a
+terminal, every LOG_REDRAW_S seconds when stderr goes to a file or a pipe. `quiet()` (what
+`quiet=True` / `--quiet` turn on) silences every stage in its context, threads included that it
+starts.
 
 This lives in the lowest stage that reports progress (graph_capture); solver/ and remat/ use it.
 """
@@ -16,9 +18,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["DELAY_S", "quiet", "is_quiet", "stage", "Stage"]
+__all__ = ["DELAY_S", "REDRAW_S", "LOG_REDRAW_S", "quiet", "is_quiet", "stage", "Stage"]
 
 DELAY_S = 2.0  # a stage shorter than this shows nothing
+REDRAW_S = 0.5  # how often the line is redrawn on a terminal
+LOG_REDRAW_S = 30.0  # ... and when stderr is a file or a pipe (a log gets a line per this, not a stream)
 _QUIET = contextvars.ContextVar("remat_quiet", default=False)
 
 
@@ -50,8 +54,10 @@ class Stage:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
+        self._period = REDRAW_S if tty else LOG_REDRAW_S
         self._args = dict(desc=f"remat: {desc}", total=total, unit=unit, file=sys.stderr, leave=False,
-                          dynamic_ncols=True, mininterval=0.5)
+                          dynamic_ncols=True, mininterval=self._period)
         self._n = 0
         self._facts: dict = {}
         self._ticker = None
@@ -60,7 +66,7 @@ class Stage:
             self._ticker.start()
 
     def _tick(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(self._period):
             self._draw()
 
     def _draw(self) -> None:

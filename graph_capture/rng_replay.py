@@ -17,9 +17,15 @@ replays do not touch the global generator). A replay draws the mask with a priva
 to s (`bernoulli_` on a bool tensor, as the CPU kernel does: same mask, same allocations, checked
 by tests/test_rng_replay.py), so the random stream after the step is eager's.
 
+A replay is right only if the first computation drew from s, i.e. nothing drew random numbers
+between s and it. In the graph nothing does (s is inserted right before its dropout, and the
+rewrite is skipped for a graph with any other random op), and fx runs nodes in order; a compiler
+that reordered the pairs (Inductor, when it runs the plan) is caught: each first computation
+checks that the last state saved is its own (a pointer comparison, no allocation) and raises
+RngOrderError otherwise, so a reordering can never silently give a replay another mask.
+
 Only on the CPU for now: CUDA's fused dropout kernel draws differently, and replaying it through
-the global CUDA generator is untested without a GPU; and not when Inductor compiles the plan (it
-may reorder the state and the draw). There the masks are kept, as before.
+the global CUDA generator is untested without a GPU. There the masks are kept, as before.
 """
 from __future__ import annotations
 
@@ -29,16 +35,24 @@ import torch
 import torch.fx as fx
 
 __all__ = ["make_dropout_replayable", "rng_state", "dropout", "CPU_STATE_BYTES", "is_replayable_dropout",
-           "replays_dropout", "step_device_type"]
+           "probe_callable", "step_device_type", "RngOrderError"]
 
 aten = torch.ops.aten
 CPU_STATE_BYTES = int(torch.get_rng_state().numel())  # mt19937's state: 5056 bytes
+_LAST_SAVED = [None]  # data pointer of the state the latest rng_state saved, until its dropout draws
+
+
+class RngOrderError(RuntimeError):
+    """A dropout was about to draw from another generator state than the one saved for its replay
+    (random ops ran out of the graph's order)."""
 
 
 @torch.library.custom_op("remat::rng_state", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def rng_state(like: torch.Tensor) -> torch.Tensor:
     """The state of the CPU generator (`like` orders it after the value the dropout reads)."""
-    return torch.get_rng_state()
+    state = torch.get_rng_state()
+    _LAST_SAVED[0] = state.data_ptr()
+    return state
 
 
 @rng_state.register_fake
@@ -51,6 +65,11 @@ def dropout(state: torch.Tensor, x: torch.Tensor, p: float, replay: bool) -> tup
     """native_dropout(x, p, train=True): drawn from the global generator (replay=False, the first
     computation), or replayed from `state`, leaving the global generator untouched."""
     if not replay:
+        if _LAST_SAVED[0] != state.data_ptr():
+            raise RngOrderError("remat: a dropout is about to draw from another generator state than the one saved "
+                                "for its recomputation (random ops ran out of the graph's order); refusing rather "
+                                "than let its recomputation draw another mask")
+        _LAST_SAVED[0] = None
         out, mask = aten.native_dropout(x, p, True)
         return out, mask
     if x.device.type != "cpu":
@@ -67,13 +86,17 @@ def _(state, x, p, replay):
     return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
 
 
-def replays_dropout(model: torch.nn.Module) -> bool:
-    """Whether a plan for `model` may recompute dropout (not when Inductor will run the plan:
-    torch.compile'd submodules; see the module docstring). capture, plan and optimize all ask
-    this, so they trace the same graph."""
-    from remat.compat.torch_private import compiled_submodules
+def probe_callable(target):
+    """What the op probes (graph_capture/workspace.py) run for `target`: a remat::dropout first
+    computation is run as right after its state was saved (its arguments are made up)."""
+    if target is not torch.ops.remat.dropout.default:
+        return target
 
-    return not compiled_submodules(model)
+    def first_draw(state, x, p, replay):
+        _LAST_SAVED[0] = state.data_ptr()
+        return target(state, x, p, replay)
+
+    return first_draw
 
 
 def step_device_type(gm: fx.GraphModule) -> str:
@@ -88,23 +111,36 @@ def is_replayable_dropout(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is torch.ops.remat.dropout.default
 
 
+def _replayable(nd: fx.Node) -> bool:
+    """A native_dropout(x, 0 < p < 1, train=True) whose output nothing reads (only its mask: a
+    replay's output would otherwise have to match the kernel's too)."""
+    x, p = nd.args[0], float(nd.args[1])
+    train = nd.args[2] if len(nd.args) > 2 else nd.kwargs.get("train")
+    if train is not True or not 0.0 < p < 1.0 or not isinstance(x, fx.Node):
+        return False
+    return all(u.target is operator.getitem and u.args[1] == 1 for u in nd.users)
+
+
 def make_dropout_replayable(gm: fx.GraphModule, device_type: str) -> int:
     """Rewrite every forward native_dropout(x, p, True) with 0 < p < 1 of the joint graph whose
     output nothing reads (only its mask) as rng_state + remat::dropout (module docstring), when
-    the step runs on `device_type` "cpu". Returns how many were rewritten."""
+    the step runs on `device_type` "cpu" and its forward draws random numbers nowhere else.
+    Returns how many were rewritten."""
     if device_type != "cpu":
         return 0
     g = gm.graph
     count = 0
+    forward = [n for n in g.nodes if n.op == "call_function" and n.meta.get("partitioner_tag") != "is_backward"]
+    seeded = [n for n in forward if isinstance(n.target, torch._ops.OpOverload)
+              and torch.Tag.nondeterministic_seeded in n.target.tags]
+    if any(n.target is not aten.native_dropout.default or not _replayable(n) for n in seeded):
+        return 0  # another random op could draw between a state and its dropout: keep every mask
     for nd in list(g.nodes):
         if nd.target is not aten.native_dropout.default or nd.meta.get("partitioner_tag") == "is_backward":
             continue
-        x, p = nd.args[0], float(nd.args[1])
-        train = nd.args[2] if len(nd.args) > 2 else nd.kwargs.get("train")
-        if train is not True or not 0.0 < p < 1.0 or not isinstance(x, fx.Node):
+        if not _replayable(nd):
             continue
-        if any(u.target is not operator.getitem or u.args[1] != 1 for u in nd.users):
-            continue  # its output is read as it is: a replay's output would have to match it too
+        x, p = nd.args[0], float(nd.args[1])
         with g.inserting_before(nd):
             s = g.call_function(torch.ops.remat.rng_state.default, (x,))
         xv = x.meta["val"]

@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from remat.compat.torch_private import fake_tensor_mode
+from remat.graph_capture.rng_replay import probe_callable
 from remat.graph_capture.profiling import allocation_bytes, storage_bytes
 from remat.graph_capture.workspace import Case, OpProbe, op_groups, real_args, run_cases, tensors_in
 
@@ -54,6 +55,12 @@ def _extent_bytes(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return (1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _scaling(n: fx.Node, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs whose size scales with the op's shapes: a replayable dropout's saved generator
+    state (its first input, 5056 bytes at any shape) is left out, or it would skew the scaling."""
+    return inputs[1:] if n.target is torch.ops.remat.dropout.default else inputs
 
 
 def _io_bytes(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
@@ -156,14 +163,14 @@ def _try_shrink(n: fx.Node, mapping: dict[int, int], fake_mode) -> _Shrink | Non
     try:
         with fake_mode:
             args, kwargs = _args_at(n, mapping, make)
-            out = n.target(*args, **kwargs)
+            out = probe_callable(n.target)(*args, **kwargs)
     except Exception:
         return None
     want = [tuple(mapping.get(s, s) for s in t.shape) for t in tensors_in(n.meta.get("val"))]
     got = tensors_in(out)
     if [tuple(t.shape) for t in got] != want:
         return None
-    ins = tensors_in((args, list(kwargs.values())))
+    ins = _scaling(n, tensors_in((args, list(kwargs.values()))))
     return _Shrink(mapping, _io_bytes(ins, got), _flops_of(n.target, args, kwargs, out),
                    tuple(storage_bytes(t) for t in got))
 
@@ -271,13 +278,13 @@ def probe_within(gm: fx.GraphModule, device: torch.device | None, min_bytes: int
             for m in nodes:
                 result.workspace[m.name] = formula or 0
             continue
-        ins = tensors_in([a.meta.get("val") for a in n.all_input_nodes])
+        ins = _scaling(n, tensors_in([a.meta.get("val") for a in n.all_input_nodes]))
         outs = tensors_in(n.meta.get("val"))
         io = _io_bytes(ins, outs)
         flops = _flops_of(n.target, *fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val")),
                           n.meta.get("val"))
         if io <= limits.max_bytes and flops <= limits.max_flops:
-            exact.append((sig, n.target, real_args(n, device)))
+            exact.append((sig, probe_callable(n.target), real_args(n, device)))
             continue
         shrinks = _plan_shrink(n, limits, fake_mode)
         if not shrinks:
@@ -292,7 +299,7 @@ def probe_within(gm: fx.GraphModule, device: torch.device | None, min_bytes: int
 
                 return _args_at(n, mapping, make)
 
-            exact.append(((sig, k), n.target, make_args))
+            exact.append(((sig, k), probe_callable(n.target), make_args))
     measured = run_cases(exact, device, allocator) if runnable and exact else {}
 
     def record(nodes, extra: int, storages: tuple) -> None:

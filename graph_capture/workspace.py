@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch.profiler import ProfilerActivity, record_function
 
 from remat.graph_capture.progress import stage
+from remat.graph_capture.rng_replay import probe_callable
 from remat.compat.torch_private import disable_current_modes, profiler_events
 from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peak, quiet_profile,
                                            storage_bytes)
@@ -227,7 +228,7 @@ def _probe(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, allo
     if device is None or device.type not in ("cpu", "cuda"):
         return result
     todo = op_groups(gm)
-    cases = [(sig, nodes[0].target, real_args(nodes[0], device)) for sig, nodes in todo.items()]
+    cases = [(sig, probe_callable(nodes[0].target), real_args(nodes[0], device)) for sig, nodes in todo.items()]
     for sig, (extra, storages) in run_cases(cases, device, allocator).items():
         for m in todo[sig]:
             result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0

@@ -14,7 +14,7 @@ from remat.compat.torch_private import compiled_submodules, default_partition
 from remat.graph_capture import progress
 from remat.graph_capture.build import JointGraphInfo, build_training_graph, split_dropout_outputs
 from remat.graph_capture.clones import drop_redundant_clones
-from remat.graph_capture.rng_replay import make_dropout_replayable, replays_dropout, step_device_type
+from remat.graph_capture.rng_replay import make_dropout_replayable, step_device_type
 from remat.graph_capture.joint import PartitionFailed, TraceError, trace_training_step
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.plan_file import check_context, load_plan, plan_context, rejudge
@@ -39,11 +39,10 @@ def _as_tuple(example_inputs: Any) -> tuple:
     raise TypeError(f"example_inputs must be a tensor or a tuple of arguments, got {type(example_inputs).__name__}")
 
 
-def _joint_info(joint_gm, num_fwd_outputs: int, name: str, replay_dropout: bool) -> JointGraphInfo:
+def _joint_info(joint_gm, num_fwd_outputs: int, name: str) -> JointGraphInfo:
     split_dropout_outputs(joint_gm)
     drop_redundant_clones(joint_gm)  # copies the trace makes where eager aliases (dropout p=0)
-    if replay_dropout:
-        make_dropout_replayable(joint_gm, step_device_type(joint_gm))
+    make_dropout_replayable(joint_gm, step_device_type(joint_gm))  # recomputable from a saved RNG state
     return build_training_graph(joint_gm, num_fwd_outputs, name=name)
 
 
@@ -54,11 +53,9 @@ class Planner:
     would. Errors while planning (a budget no plan fits, a saved plan for another graph, ...) are
     remat's own: they leave the trace as they are (PartitionFailed), not as a TraceError."""
 
-    def __init__(self, name: str, decide: Callable[[TrainingGraph], Plan] | None = None, *,
-                 replay_dropout: bool = True):
+    def __init__(self, name: str, decide: Callable[[TrainingGraph], Plan] | None = None):
         self.name = name
         self.decide = decide
-        self.replay_dropout = replay_dropout  # dropout recomputable from its saved RNG state
         self.info: JointGraphInfo | None = None
         self.plan: Plan | None = None
 
@@ -69,7 +66,7 @@ class Planner:
 
     def __call__(self, joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
         try:
-            self.info = _joint_info(joint_gm, num_fwd_outputs, self.name, self.replay_dropout)
+            self.info = _joint_info(joint_gm, num_fwd_outputs, self.name)
             if self.decide is not None:
                 self.plan = self.decide(self.info.graph)
                 return partition_with_plan(self.info, self.plan)
@@ -84,7 +81,7 @@ def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None =
     `fused_attention`: trace attention as remat's flash op where it can (see `optimize`).
     quiet: no progress on stderr (shown otherwise for stages longer than a couple of seconds)."""
     check_capture_args(model, example_inputs, example_kwargs, fused_attention)  # before any tracing
-    planner = Planner(type(model).__name__, replay_dropout=replays_dropout(model))
+    planner = Planner(type(model).__name__)
     with progress.quiet(quiet):
         trace_training_step(model, _as_tuple(example_inputs), example_kwargs, planner, fused_attention)
     return planner.graph
@@ -194,7 +191,7 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     graphs = PlannedGraphs()
     if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
         graphs.use_inductor()
-    planner = Planner(type(model).__name__, decide, replay_dropout=replays_dropout(model))
+    planner = Planner(type(model).__name__, decide)
     with progress.quiet(quiet):
         compiled, sig = trace_training_step(model, args, example_kwargs, planner, fused_attention,
                                             graph_compilers=graphs.compilers)

@@ -27,8 +27,12 @@ def keep_all_schedule(graph: TrainingGraph) -> list[str]:
 
 def schedule_from_kept(graph: TrainingGraph, kept: Iterable[str]) -> list[str]:
     """The schedule that keeps the forward values `kept` (plus every non-recomputable one) for the
-    backward and recomputes any other one right before the first backward node that needs it."""
+    backward and recomputes any other one right before the first backward node that needs it.
+    A value that reads a random one at least its size (a small dropout mask and the 5056-byte
+    generator state it is replayed from) is kept too: recomputing it would keep the larger one."""
     kept = set(kept) | {n.name for n in graph.forward_nodes if not n.recomputable}
+    kept |= {n.name for n in graph.forward_nodes
+             if any(graph.node(i).is_random and graph.node(i).out_bytes >= n.out_bytes for i in n.inputs)}
     schedule = [n.name for n in graph.forward_nodes]
     # forward values available in the backward: kept ones, plus recomputed instances
     available = set(kept)

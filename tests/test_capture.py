@@ -3,6 +3,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
+from remat.graph_capture.rng_replay import CPU_STATE_BYTES
 from remat.graph_capture import TrainingGraph
 from remat.measure import count_flops, resident_bytes
 from tests.models import DataDependent, KwargsNet, small_gpt
@@ -55,13 +56,14 @@ def test_capture_gpt_structure():
     assert [n.is_backward for n in g.nodes] == [False] * len(fwd) + [True] * len(bwd)
     assert fwd[-1].op == "nll_loss_forward.default" and bwd[0].op == "nll_loss_backward.default"
     # the two blocks are the same code: the same nodes in the same order, forward and backward
-    # (ln_1, attention, ln_2, MLP: 28 forward and 29 backward nodes each)
+    # (ln_1, attention, ln_2, MLP: 31 forward nodes, 3 of them the generator states saved before
+    # the block's three dropouts, and 29 backward nodes each)
     def block(i, backward):
         return [n.op for n in g.nodes if f"{n.module_path}.".startswith(f"h.{i}.") and n.is_backward == backward]
-    for backward, count in ((False, 28), (True, 29)):
+    for backward, count in ((False, 31), (True, 29)):
         assert block(0, backward) == block(1, backward) and len(block(0, backward)) == count
-    # outside the blocks: embeddings, dropout, ln_f, lm_head, loss; 138 nodes in all
-    assert (len(fwd), len(bwd)) == (67, 71)
+    # outside the blocks: embeddings, dropout (and its state), ln_f, lm_head, loss; 145 nodes in all
+    assert (len(fwd), len(bwd)) == (74, 71)
     # parameters, buffers, inputs and the scalar loss's seed gradient are resident
     assert g.tangents == ((4, ()),)
     assert g.resident_bytes == resident_bytes([model, *inputs]) + 4
@@ -74,17 +76,21 @@ def test_capture_gpt_structure():
     assert all(n.cost > 0 for n in g.nodes)
 
 
-def test_capture_marks_dropout_masks_random_and_small():
+def test_capture_marks_dropout_masks_small_and_replayable():
+    """Each dropout reads the generator state saved just before it (the only random node: never
+    recomputed, 5056 bytes), so the dropout itself is recomputable (graph_capture/rng_replay.py)."""
     model, inputs = small_gpt()
     g = remat.capture(model, inputs)
     random = [n for n in g.nodes if n.is_random]
-    assert all(n.op == "native_dropout.default" and not n.recomputable for n in random)
+    assert all(n.op == "rng_state.default" and not n.recomputable and n.out_bytes == CPU_STATE_BYTES for n in random)
+    drops = [n for n in g.nodes if n.op == "dropout.default"]
+    assert len(drops) == len(random) and all(d.recomputable and d.inputs[0] == s.name for s, d in zip(random, drops))
     # one mask per dropout call of the step, bool: 1 byte per element. The embeddings' dropout and
     # each block's residual and MLP dropouts on the (B, T, C) stream, each block's attention
     # dropout on the (B, heads, T, T) probabilities
     B, T = inputs[0].shape
     C, heads, layers = 64, 4, 2
-    assert sorted(n.out_bytes for n in random) == sorted([B * T * C] * (1 + 2 * layers) + [B * heads * T * T] * layers)
+    assert sorted(n.out_bytes for n in drops) == sorted([B * T * C] * (1 + 2 * layers) + [B * heads * T * T] * layers)
 
 
 def test_capture_flops_match_eager_step():
@@ -121,7 +127,7 @@ def test_capture_kwargs_and_several_outputs():
     by_op = {}
     for n in g.nodes:
         by_op.setdefault(n.op, []).append(n)
-    assert (len(g.forward_nodes), len(g.backward_nodes)) == (10, 11)
+    assert (len(g.forward_nodes), len(g.backward_nodes)) == (11, 11)  # the dropout and its saved state
     # `target=` is resident, as are the model and `x`; so are the tangents: 4 bytes for the loss's
     # seed, and y's gradient (zeros, y is not differentiated), freed after its one reader
     assert g.resident_bytes == resident_bytes([model, x, t]) + sum(b for b, _ in g.tangents)
@@ -142,8 +148,10 @@ def test_capture_kwargs_and_several_outputs():
     assert [b for b, _ in bn.out_parts] == [16 * 64 * 4, stats, stats]
     (count,) = [n for n in g.forward_nodes if n.module_path == "fc1" and n.op == "add.Tensor"]
     assert count.forward_kept == ((model.bn.num_batches_tracked.nbytes, ()),)
-    # the dropout mask: random, 1 byte per element of its (16, 64) input
-    assert [(n.op, n.out_bytes) for n in g.nodes if n.is_random] == [("native_dropout.default", 16 * 64)]
+    # the dropout mask: 1 byte per element of its (16, 64) input, replayable from the generator
+    # state saved before it (the one random node)
+    assert [(n.op, n.out_bytes) for n in g.nodes if n.is_random] == [("rng_state.default", CPU_STATE_BYTES)]
+    assert [(n.op, n.out_bytes, n.recomputable) for n in by_op["dropout.default"]] == [("dropout.default", 16 * 64, True)]
 
 
 def test_untraceable_model_names_the_source_line():

@@ -60,9 +60,13 @@ def test_plan_on_meta_deploys_on_the_real_model(real_graph):
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
 
 
-def test_cuda_plan_rounds_every_allocation_to_512_bytes(real_graph):
+def test_cuda_plan_rounds_every_allocation_to_512_bytes(monkeypatch):
     model, inputs = meta_gpt()
     g = capture_without_memory(model, inputs, device="cuda")
+    # the CPU graph as CUDA's is traced: dropout is replayed from a saved state on the CPU only
+    assert not any(n.op == "rng_state.default" for n in g.nodes)
+    monkeypatch.setattr("remat.api.make_dropout_replayable", lambda gm, device_type: 0)
+    real_graph = remat.capture(default_model(CFG), default_inputs(CFG))
     assert g.fingerprint() == real_graph.fingerprint()  # the traced sizes are what is hashed
     sizes = [g.resident_bytes] + [b for b, _ in g.tangents]
     sizes += [b for n in g.nodes for b in (n.out_bytes, n.kept_bytes, n.workspace_bytes)]

@@ -115,7 +115,7 @@ def workflow(tmp_path_factory):
     (d / "boom.py").write_text(BOOM)
     factories = ["--model", "tinymodel.py:build_model", "--inputs", "tinymodel.py:example_batch"]
     remat_cli = [sys.executable, "-m", "remat.cli"]
-    solve = _finish(_start([*remat_cli, "solve", *factories, "--budget-frac", "0.7", "--solver", "equal_spacing",
+    solve = _finish(_start([*remat_cli, "solve", *factories, "--budget-frac", "0.8", "--solver", "equal_spacing",
                             "--out", "plan.json"], d, seed=1))
     assert solve.returncode == 0, solve.stderr
     # both only read the plan file: run side by side

@@ -23,6 +23,7 @@ def _slow_stage(seconds: float = 0.8) -> None:
 
 def test_a_long_stage_shows_its_name_count_and_facts(capsys, monkeypatch):
     monkeypatch.setattr(progress, "DELAY_S", 0.1)
+    monkeypatch.setattr(progress, "LOG_REDRAW_S", 0.1)  # capsys's stderr is not a terminal
     _slow_stage()
     err = capsys.readouterr().err
     assert "remat: a test stage" in err and "bound=1.5%" in err and "step" in err
@@ -32,6 +33,7 @@ def test_a_short_stage_and_a_quiet_one_show_nothing(capsys, monkeypatch):
     _slow_stage(0.3)  # shorter than the real DELAY_S
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(progress, "DELAY_S", 0.1)
+    monkeypatch.setattr(progress, "LOG_REDRAW_S", 0.1)
     with progress.quiet():
         assert progress.is_quiet()
         _slow_stage()
@@ -42,6 +44,7 @@ def test_a_short_stage_and_a_quiet_one_show_nothing(capsys, monkeypatch):
 @pytest.mark.parametrize("quiet", [False, True])
 def test_the_solver_reports_its_search_unless_quiet(capsys, monkeypatch, quiet):
     monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_REDRAW_S", 0.1)
     g = transformer_like(blocks=4)
     budget = int(0.6 * keep_all.solve(g).predicted_peak_bytes)
     plan = remat.solve(g, budget, quiet=quiet)

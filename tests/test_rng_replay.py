@@ -1,7 +1,8 @@
 """Dropout recomputed from its saved generator state (graph_capture/rng_replay.py): the replay
 draws the same mask with the same allocations as the first computation, a plan that recomputes
 dropout gives the unmodified model's loss, gradients and random stream bit for bit, and the
-rewrite stays off where it is not proven (CUDA, Inductor, a dropout output read as it is)."""
+rewrite stays off where it is not proven (CUDA, another random op, a dropout output read as it
+is); a first computation that would not draw from its saved state raises instead."""
 from __future__ import annotations
 
 import operator
@@ -13,7 +14,8 @@ import torch.fx as fx
 import remat
 from remat.compat.torch_private import fake_tensor_mode
 from remat.default_model import GPTConfig, default_inputs, default_model
-from remat.graph_capture.rng_replay import CPU_STATE_BYTES, dropout, make_dropout_replayable, replays_dropout
+from remat.graph_capture.rng_replay import (CPU_STATE_BYTES, RngOrderError, dropout, make_dropout_replayable,
+                                           rng_state)
 from remat.solver.checkmate import min_feasible_budget
 
 aten = torch.ops.aten
@@ -23,7 +25,7 @@ aten = torch.ops.aten
 @pytest.mark.parametrize("shape", [(3,), (7,), (100,), (64, 33, 17)])
 def test_a_replay_draws_the_first_computations_mask_with_its_allocations(dtype, shape):
     x = torch.randn(shape).to(dtype)
-    state = torch.get_rng_state()
+    state = rng_state(x)
     held = []
     first_peak = remat.measure_peak(lambda: held.append(dropout(state, x, 0.3, False)), resident=[x, state])
     after = torch.get_rng_state()
@@ -72,22 +74,26 @@ def test_a_plan_that_recomputes_dropout_is_bit_identical_and_measured_as_predict
 
 def test_replay_lowers_the_smallest_feasible_budget(gpt, monkeypatch):
     model, inputs, _, replayed = gpt
-    monkeypatch.setattr("remat.api.replays_dropout", lambda m: False)
+    monkeypatch.setattr("remat.api.make_dropout_replayable", lambda gm, device_type: 0)
     kept = remat.capture(model, inputs, quiet=True)
     assert not any(n.op == "dropout.default" for n in kept.nodes)
     assert replayed < min_feasible_budget(kept)
 
 
-def _dropout_graph(read_output: bool) -> fx.GraphModule:
+def _dropout_graph(read_output: bool, other_random: bool = False) -> fx.GraphModule:
     g = fx.Graph()
     x = g.placeholder("x")
+    if other_random:
+        x = g.call_function(aten.rand_like.default, (x,))
     d = g.call_function(aten.native_dropout.default, (x, 0.5, True))
     outs = [g.call_function(operator.getitem, (d, 1))]
     if read_output:
         outs.append(g.call_function(operator.getitem, (d, 0)))
     g.output(tuple(outs))
     with fake_tensor_mode() as mode:
-        x.meta["val"] = mode.from_tensor(torch.randn(4))
+        for n in g.nodes:
+            if n.op != "output":
+                n.meta["val"] = mode.from_tensor(torch.randn(4))
     return fx.GraphModule(torch.nn.Module(), g)
 
 
@@ -95,7 +101,15 @@ def test_the_rewrite_stays_off_where_it_is_not_proven():
     assert make_dropout_replayable(_dropout_graph(False), "cpu") == 1
     assert make_dropout_replayable(_dropout_graph(True), "cpu") == 0  # its output is read as it is
     assert make_dropout_replayable(_dropout_graph(False), "cuda") == 0  # CUDA: untested, masks kept
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
-    assert replays_dropout(model)
-    model[0].compile()  # Inductor would run the plan: it may reorder the state and the draw
-    assert not replays_dropout(model)
+    assert make_dropout_replayable(_dropout_graph(False, other_random=True), "cpu") == 0  # it could draw between
+
+
+def test_a_first_draw_out_of_order_raises():
+    """Two states saved before either dropout draws (what a reordering compiler could do): the
+    first dropout's own state is no longer the last saved, and it refuses to draw."""
+    x = torch.randn(8)
+    s1 = rng_state(x)
+    s2 = rng_state(x)
+    with pytest.raises(RngOrderError, match="out of the graph's order"):
+        dropout(s1, x, 0.5, False)
+    dropout(s2, x, 0.5, False)  # its own state is the last saved: fine
