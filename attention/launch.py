@@ -1,9 +1,11 @@
 """Launching the Triton kernels: which path runs, the launch configs, the jit cache, the launches.
 
 * Mode: CUDA tensors run the Triton kernels when Triton is importable; CPU tensors run the PyTorch
-  reference (`attention.reference`), unless `TRITON_INTERPRET=1` is set, in which case the kernels
-  run in Triton's interpreter (that is how the tests exercise them). `set_triton_mode` forces the
-  reference ("never") or refuses to fall back ("always").
+  reference (`attention.reference`), whatever the environment: a user's `TRITON_INTERPRET=1` does
+  not send remat's CPU attention through Triton's interpreter (slow, and with other temporaries
+  than the ones the plan was measured with). `set_triton_mode("interpret")` runs the kernels on
+  CPU tensors in the interpreter (with `TRITON_INTERPRET=1` set while they launch: that is how the
+  tests exercise them); "never" forces the reference, "always" refuses to fall back.
 * Jitting: `jit_kernels(interpret, fp32)` jits the plain kernel bodies of `attention.kernels` once
   per mode, each bound to a globals namespace holding that mode's `tl` and `dropout_keep_tl` (so
   compiled and interpreted kernels coexist in one process, and no module global is patched).
@@ -33,7 +35,7 @@ __all__ = ["TRITON_MAX_HEAD_DIM", "INTERPRET_BLOCKS", "GPU_CONFIGS", "GPU_FP32_C
 TRITON_MAX_HEAD_DIM = 128
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-_MODES = ("auto", "never", "always")
+_MODES = ("auto", "never", "always", "interpret")
 _mode = ["auto"]  # the one user setting (set_triton_mode); a list so no `global` statement is needed
 
 
@@ -59,11 +61,12 @@ def interpret_mode() -> bool:
 
 
 def set_triton_mode(mode: str) -> None:
-    """``"auto"`` (default): Triton on CUDA, and on CPU only under ``TRITON_INTERPRET=1``;
-    ``"never"``: always the PyTorch reference; ``"always"``: like auto but raise instead of
-    falling back when the Triton path cannot be used for a supported dtype/device."""
+    """``"auto"`` (default): Triton on CUDA, the PyTorch reference on CPU; ``"interpret"``: also
+    the kernels on CPU, in Triton's interpreter (``TRITON_INTERPRET=1`` must be set while they
+    launch); ``"never"``: always the PyTorch reference; ``"always"``: like auto but raise instead
+    of falling back when the Triton path cannot be used for a supported dtype/device."""
     if mode not in _MODES:
-        raise ValueError(f"mode must be 'auto', 'never' or 'always', got {mode!r}")
+        raise ValueError(f"mode must be 'auto', 'interpret', 'never' or 'always', got {mode!r}")
     _mode[0] = mode
 
 
@@ -81,7 +84,8 @@ def use_triton(t: torch.Tensor) -> bool:
         t.dtype in _TRITON_DTYPES
         and t.dim() == 4
         and 1 <= t.shape[-1] <= TRITON_MAX_HEAD_DIM
-        and ((t.device.type == "cuda" and not interpret_mode()) or (t.device.type == "cpu" and interpret_mode()))
+        and ((t.device.type == "cuda" and not interpret_mode())
+             or (t.device.type == "cpu" and mode == "interpret" and interpret_mode()))
         and triton_available()
     )
     if not ok and mode == "always":

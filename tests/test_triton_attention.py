@@ -25,12 +25,15 @@ def _interpret_env():
     # modules' CPU tests never run the interpreter.
     prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    prev_mode = launch.get_triton_mode()
+    launch.set_triton_mode("interpret")  # CPU tensors run the kernels (the interpreter), not the reference
     # Tiny ops: one intra-op thread avoids OpenMP spin-waits that make this module ~10x slower
     # when the CPUs are shared with other work.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+    launch.set_triton_mode(prev_mode)
     if prev is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
