@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from remat.graph_capture.training_graph import TrainingGraph
 
+RNG_STATE_OP = "rng_state.default"  # graph_capture/rng_replay.py's saved generator state, as a node's op
+
 if TYPE_CHECKING:  # only for annotations: plan.py builds on this module
     from remat.solver.plan import Plan
 
@@ -28,11 +30,11 @@ def keep_all_schedule(graph: TrainingGraph) -> list[str]:
 def schedule_from_kept(graph: TrainingGraph, kept: Iterable[str]) -> list[str]:
     """The schedule that keeps the forward values `kept` (plus every non-recomputable one) for the
     backward and recomputes any other one right before the first backward node that needs it.
-    A value that reads a random one at least its size (a small dropout mask and the 5056-byte
-    generator state it is replayed from) is kept too: recomputing it would keep the larger one."""
+    A dropout replayed from a saved generator state at least its size (a small mask; the state is
+    5056 bytes) is kept too: recomputing it would keep the larger state."""
     kept = set(kept) | {n.name for n in graph.forward_nodes if not n.recomputable}
     kept |= {n.name for n in graph.forward_nodes
-             if any(graph.node(i).is_random and graph.node(i).out_bytes >= n.out_bytes for i in n.inputs)}
+             if any(graph.node(i).op == RNG_STATE_OP and graph.node(i).out_bytes >= n.out_bytes for i in n.inputs)}
     schedule = [n.name for n in graph.forward_nodes]
     # forward values available in the backward: kept ones, plus recomputed instances
     available = set(kept)

@@ -30,4 +30,6 @@ def test_kernels_compile_for_sm90_with_dropout(kernel):
 def test_compile_check_reports_errors_instead_of_raising():
     v = KernelVariant("fwd", torch.bfloat16, 128, True, False, (48, 64, 4, 3))  # tl.arange needs powers of 2
     r = compile_variant(v)
-    assert not r.ok and "CompilationError" in r.error
+    # Triton's front end reports it as a CompilationError; with TRITON_INTERPRET=1 set when triton
+    # was imported its language builtins are the interpreter's, whose check is a bare assert
+    assert not r.ok and r.error.split(":")[0] in ("CompilationError", "AssertionError"), r.error
