@@ -16,7 +16,9 @@ from remat.compat.torch_private import fake_tensor_mode
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.graph_capture.rng_replay import (CPU_STATE_BYTES, RngOrderError, dropout, make_dropout_replayable,
                                            rng_state)
+from remat.solver import equal_spacing
 from remat.solver.checkmate import min_feasible_budget
+from remat.solver.plan import LOWEST_PEAK
 
 aten = torch.ops.aten
 
@@ -113,3 +115,46 @@ def test_a_first_draw_out_of_order_raises():
     with pytest.raises(RngOrderError, match="out of the graph's order"):
         dropout(s1, x, 0.5, False)
     dropout(s2, x, 0.5, False)  # its own state is the last saved: fine
+
+
+class _Spellings(torch.nn.Module):
+    """Dropout as people write it: the module, in place, functional, alpha/feature variants left
+    to torch, and a hand-made mask (another random op: the rewrite must then keep every mask)."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+        self.drop = torch.nn.Dropout(0.25, inplace=spelling == "inplace")
+
+    def _dropout(self, h):
+        if self.spelling in ("module", "inplace"):
+            return self.drop(h)
+        if self.spelling == "functional":
+            return torch.nn.functional.dropout(h, 0.25, training=self.training)
+        if self.spelling == "tensor_method":
+            return torch.dropout(h, 0.25, self.training)
+        return h * (torch.rand_like(h) > 0.25) / 0.75  # "manual": its own random op
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.tanh(self._dropout(layer(x)))  # (in place on the linear's output: allowed)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("spelling", ["module", "inplace", "functional", "tensor_method", "manual"])
+def test_spellings_recompute_dropout_bit_identically(spelling):
+    torch.manual_seed(0)
+    model, x = _Spellings(spelling), torch.randn(256, 64)
+    g = remat.capture(model, (x,), quiet=True)
+    replayed = [n for n in g.nodes if n.op == "dropout.default"]
+    # in place, the dropout's output is copied back into its input (read as it is: not replayable);
+    # a hand-made mask is a foreign random op: every mask is kept in both
+    assert len(replayed) == (0 if spelling in ("inplace", "manual") else 3)
+    lowest = equal_spacing.solve(g, LOWEST_PEAK).predicted_peak_bytes  # recomputes all between checkpoints
+    opt = remat.optimize(model, budget_bytes=lowest, example_inputs=(x,), solver="equal_spacing", quiet=True)
+    if replayed:
+        assert any(g.node(n).op == "dropout.default" for n in opt.plan.recomputed)
+    params = list(model.parameters())
+    ref, got = _grads(model, params, (x,)), _grads(opt, params, (x,))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
