@@ -13,8 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from remat.graph_capture.training_graph import TrainingGraph
-
-RNG_STATE_OP = "rng_state.default"  # graph_capture/rng_replay.py's saved generator state, as a node's op
+from remat.graph_capture.rng_replay import RNG_STATE_OP
 
 if TYPE_CHECKING:  # only for annotations: plan.py builds on this module
     from remat.solver.plan import Plan
