@@ -58,7 +58,7 @@ def main() -> int:
         m, min_plan = min_feasible_budget(capture(model, inputs, fused_attention=fused), time_limit_s=a.time_limit,
                                           return_plan=True)
         notes.append(f"checkmate smallest feasible budget: {m / MiB:.2f} MiB = {m / K:.1%} of keep_all "
-                     f"(min-peak MILP, found in {time.perf_counter() - t0:.1f} s; its plan is deployed as is)")
+                     f"({min_plan.details.get('schedule_source')}, found in {time.perf_counter() - t0:.1f} s; its plan is deployed as is)")
         budgets.append(("min", m, min_plan))
     for label, b, plan in budgets:
         for strategy in ("equal_spacing", "checkmate"):

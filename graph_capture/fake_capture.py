@@ -32,10 +32,9 @@ import torch
 import torch.nn as nn
 
 from remat.compat.torch_private import disable_current_modes, fake_tensor_mode, is_fake, pytree
-from remat.graph_capture.rng_replay import make_dropout_replayable
-from remat.graph_capture.build import build_training_graph, split_dropout_outputs
-from remat.graph_capture.clones import drop_redundant_clones
+from remat.graph_capture.build import build_training_graph
 from remat.graph_capture.joint import PartitionFailed, trace_training_step
+from remat.graph_capture.rewrites import prepare_joint_graph
 from remat.graph_capture.scaled_workspace import ProbeLimits
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.graph_capture.workspace import probe_ops
@@ -131,9 +130,7 @@ def capture_without_memory(model: nn.Module, example_inputs: tuple, example_kwar
 
     def partition(joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
         try:  # what remat.capture does with the joint graph (remat/api.py), measured as asked
-            split_dropout_outputs(joint_gm)
-            drop_redundant_clones(joint_gm)
-            make_dropout_replayable(joint_gm, dev.type)  # as remat.capture does: the same graph
+            prepare_joint_graph(joint_gm, dev.type)  # as remat.capture does: the same graph
             probed = probe_ops(joint_gm, probe_device, limits=limits, allocator=allocator)
             info = build_training_graph(joint_gm, num_fwd_outputs, name=name, probe=probed, allocator=allocator)
         except Exception as e:

@@ -12,9 +12,9 @@ import torch.nn as nn
 
 from remat.compat.torch_private import compiled_submodules, default_partition
 from remat.graph_capture import progress
-from remat.graph_capture.build import JointGraphInfo, build_training_graph, split_dropout_outputs
-from remat.graph_capture.clones import drop_redundant_clones
-from remat.graph_capture.rng_replay import make_dropout_replayable, step_device_type
+from remat.graph_capture.build import JointGraphInfo, build_training_graph
+from remat.graph_capture.rewrites import prepare_joint_graph
+from remat.graph_capture.rng_replay import step_device_type
 from remat.graph_capture.joint import PartitionFailed, TraceError, trace_training_step
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.plan_file import check_context, load_plan, plan_context, rejudge
@@ -40,9 +40,7 @@ def _as_tuple(example_inputs: Any) -> tuple:
 
 
 def _joint_info(joint_gm, num_fwd_outputs: int, name: str) -> JointGraphInfo:
-    split_dropout_outputs(joint_gm)
-    drop_redundant_clones(joint_gm)  # copies the trace makes where eager aliases (dropout p=0)
-    make_dropout_replayable(joint_gm, step_device_type(joint_gm))  # recomputable from a saved RNG state
+    prepare_joint_graph(joint_gm, step_device_type(joint_gm))
     return build_training_graph(joint_gm, num_fwd_outputs, name=name)
 
 

@@ -4,7 +4,7 @@ bound on any plan's peak.
 Candidates, whichever peaks lowest on the fine graph: the relaxation's low-peak schedule
 (solver/guided.py `lowest_peak_search`), equal_spacing's lowest-peak plan, and on small coarse
 graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
-minimise M). plan.details["peak_lower_bound"] is the relaxation's bound: no schedule whose first
+minimise M), each with its peak then lowered by local moves (solver/peak_relief.py). plan.details["peak_lower_bound"] is the relaxation's bound: no schedule whose first
 computations follow the graph's order peaks below it, so a budget under it is infeasible as a
 fact. Cached per graph object and options: min_feasible_budget and solve's last fallback read the
 same entry, so every budget at or above the one reported is a budget solve accepts.
@@ -26,7 +26,9 @@ from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedule
                                            plan_from_stages, stages_of)
 from remat.solver.checkmate_certified import certified_search
 from remat.solver.guided import descend, lowest_peak_search
+from remat.solver.peak_relief import relieve_peak
 from remat.solver.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
+from remat.solver.refine import drop_recomputations
 from remat.solver.simulator import simulate
 
 __all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES"]
@@ -89,10 +91,13 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     cands.append((guided.predicted_peak_bytes, "relaxation", guided))
     es = replace(equal_spacing.solve(graph, LOWEST_PEAK), strategy="checkmate", status=PlanStatus.FEASIBLE)
     cands.append((es.predicted_peak_bytes, "equal_spacing", es))
+    cands = [_relieved(graph, *c) for c in cands]
     failed = [a for a in log if "error" in a]
     _, source, chosen = min(cands, key=lambda c: (c[0], c[2].extra_cost))
     source = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)",
               "equal_spacing": "equal_spacing (lowest peak)"}[source]
+    if "peak_relieved_from" in chosen.details:
+        source += ", peak relieved"
     if failed:
         warn_fallback(f"min-peak MILP backend failure ({failed[0]['error']}); "
                       f"answered by {log[-1]['backend'] if 'status' in log[-1] else source}")
@@ -104,6 +109,20 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     # the callback holds the dict itself: at interpreter exit the module global may already be None
     _LOWEST[key] = (weakref.ref(graph, lambda _, k=key, cache=_LOWEST: cache.pop(k, None)), plan)
     return replace(plan, details=copy.deepcopy(plan.details))
+
+
+def _relieved(graph: TrainingGraph, peak: int, source: str, plan: Plan) -> tuple[int, str, Plan]:
+    """The candidate with its peak lowered by local moves (solver/peak_relief.py), then its
+    recomputations that the lower peak does not need dropped; the candidate itself when that
+    lowers nothing."""
+    sched = relieve_peak(graph, plan.schedule)
+    low = simulate(graph, sched).peak_bytes
+    if low >= peak:
+        return peak, source, plan
+    sched = drop_recomputations(graph, sched, low)
+    better = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status=PlanStatus.FEASIBLE,
+                                details={**plan.details, "peak_relieved_from": peak})
+    return better.predicted_peak_bytes, source, better
 
 
 def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",

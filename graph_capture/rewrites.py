@@ -1,0 +1,23 @@
+"""The rewrites every captured joint graph goes through before its TrainingGraph is built, in one
+place, so that remat.capture, the runtime and the fake-tensor planner all plan the same graph.
+
+In order: dropout's output split off its mask (build.split_dropout_outputs), copies the trace makes
+where eager aliases dropped (clones.drop_redundant_clones), dropout made replayable from a saved
+generator state where the step's device allows it (rng_replay.make_dropout_replayable).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from remat.graph_capture.build import split_dropout_outputs
+from remat.graph_capture.clones import drop_redundant_clones
+from remat.graph_capture.rng_replay import make_dropout_replayable
+
+__all__ = ["prepare_joint_graph"]
+
+
+def prepare_joint_graph(joint_gm: fx.GraphModule, device_type: str) -> None:
+    """Rewrite `joint_gm` in place for planning on `device_type` ("cpu", "cuda", ...)."""
+    split_dropout_outputs(joint_gm)
+    drop_redundant_clones(joint_gm)  # copies the trace makes where eager aliases (dropout p=0)
+    make_dropout_replayable(joint_gm, device_type)  # recomputable from a saved RNG state
