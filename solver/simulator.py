@@ -56,26 +56,67 @@ def _parts_read(u, reader: str) -> list[int]:
     return hit or list(range(len(parts)))
 
 
+class _Tables:
+    """A graph's structure as integers, built once per graph (the simulator runs thousands of
+    times on the same graph while a plan is searched for): every output part of every node has a
+    key, `first[v]` + k, and each node lists the keys of the parts it reads."""
+
+    def __init__(self, graph: TrainingGraph):
+        nodes, idx = graph.nodes, graph.index
+        self.first: list[int] = []
+        self.part_bytes: list[int] = []
+        for v in nodes:
+            self.first.append(len(self.part_bytes))
+            self.part_bytes.extend(b for b, _ in _parts(v))
+        self.own = [list(range(self.first[i], self.first[i] + len(_parts(v)))) for i, v in enumerate(nodes)]
+        self.reads = [[(idx[i], [self.first[idx[i]] + k for k in _parts_read(nodes[idx[i]], v.name)])
+                       for i in v.inputs] for v in nodes]
+        self.key_node = [i for i, v in enumerate(nodes) for _ in _parts(v)]
+        self.key_part = [k for v in nodes for k in range(len(_parts(v)))]
+
+
+def _tables(graph: TrainingGraph) -> _Tables:
+    """The graph's _Tables, cached on the graph object (frozen, so they never go stale)."""
+    t = graph.__dict__.get("_simulator_tables")
+    if t is None:
+        t = graph.__dict__["_simulator_tables"] = _Tables(graph)
+    return t
+
+
+def _last_read_keys(tab: _Tables, steps: list[int]) -> list[list[int]]:
+    """last_reads, as part keys of a schedule given as node indices."""
+    frees: list[list[int]] = [[] for _ in steps]
+    pending = bytearray(len(tab.part_bytes))  # parts already read by a later step, same instance
+    for s in range(len(steps) - 1, -1, -1):
+        v = steps[s]
+        f = frees[s]
+        for key in tab.own[v]:
+            if not pending[key]:
+                f.append(key)  # this instance's part is never read
+            pending[key] = 0  # earlier instances are a different story
+        for _, keys in tab.reads[v]:
+            for key in keys:
+                if not pending[key]:
+                    f.append(key)
+                    pending[key] = 1
+    return frees
+
+
+def _steps(graph: TrainingGraph, schedule: list[str]) -> list[int]:
+    idx = graph.index
+    try:
+        return [idx[s] for s in schedule]
+    except KeyError:
+        unknown = [s for s in schedule if s not in idx]
+        raise ScheduleError(f"schedule names nodes not in the graph: {unknown[:5]}") from None
+
+
 def last_reads(graph: TrainingGraph, schedule: list[str]) -> list[list[tuple[str, int]]]:
     """For each step, the (name, part) outputs whose current instance is read for the last time
     at that step, including the step's own outputs that no later step reads."""
-    nodes = [graph.node(s) for s in schedule]
-    frees: list[list[tuple[str, int]]] = [[] for _ in schedule]
-    pending: set[tuple[str, int]] = set()  # parts already read by a later step, same instance
-    # walk backwards: a read at step s is the last read of its instance if no later step read the
-    # same part before a later recomputation of it
-    for s in range(len(schedule) - 1, -1, -1):
-        v = nodes[s]
-        for k in range(len(_parts(v))):
-            if (v.name, k) not in pending:
-                frees[s].append((v.name, k))  # this instance's part is never read
-            pending.discard((v.name, k))  # earlier instances are a different story
-        for i in v.inputs:
-            for k in _parts_read(graph.node(i), v.name):
-                if (i, k) not in pending:
-                    frees[s].append((i, k))
-                    pending.add((i, k))
-    return frees
+    tab, nodes = _tables(graph), graph.nodes
+    return [[(nodes[tab.key_node[key]].name, tab.key_part[key]) for key in f]
+            for f in _last_read_keys(tab, _steps(graph, schedule))]
 
 
 def forward_end(graph: TrainingGraph, schedule: list[str]) -> int | None:
@@ -114,13 +155,12 @@ def _releases(graph: TrainingGraph, schedule: list[str], end: int | None) -> dic
 
 def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     """Replay `schedule` over `graph`; raise ScheduleError if it cannot run."""
-    idx = graph.index
-    computed: set[str] = set()
-    unknown = [s for s in schedule if s not in idx]
-    if unknown:
-        raise ScheduleError(f"schedule names nodes not in the graph: {unknown[:5]}")
-    frees = last_reads(graph, schedule)
-    live: dict[str, dict[int, int]] = {}  # name -> {part: bytes} of its current instance
+    tab, nodes = _tables(graph), graph.nodes
+    steps = _steps(graph, schedule)
+    frees = _last_read_keys(tab, steps)
+    live = [-1] * len(tab.part_bytes)  # bytes of each part's current instance; -1: not live
+    live_parts = [0] * len(nodes)  # live parts of each node's current instance
+    computed = bytearray(len(nodes))
     end = forward_end(graph, schedule)
     tangent_bytes = sum(b for b, _ in graph.tangents) if end is not None else 0
     releases = _releases(graph, schedule, end)
@@ -128,18 +168,18 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     peak, peak_step = mem, -1
     timeline = []
     total_cost, total_flops, recomputes = 0.0, 0, 0
-    for s, name in enumerate(schedule):
-        v = graph.nodes[idx[name]]
-        for i in v.inputs:
-            if i not in live or any(k not in live[i] for k in _parts_read(graph.nodes[idx[i]], name)):
-                raise ScheduleError(f"step {s} ({name}) reads {i}, which is not live "
-                                    f"({'freed' if i in computed else 'never computed'})")
-        if name in computed:
+    for s, vi in enumerate(steps):
+        v = nodes[vi]
+        for i, keys in tab.reads[vi]:
+            if any(live[key] < 0 for key in keys):
+                raise ScheduleError(f"step {s} ({v.name}) reads {nodes[i].name}, which is not live "
+                                    f"({'freed' if computed[i] else 'never computed'})")
+        if computed[vi]:
             if not v.recomputable:
-                raise ScheduleError(f"step {s} recomputes {name}, which may not be recomputed")
+                raise ScheduleError(f"step {s} recomputes {v.name}, which may not be recomputed")
             recomputes += 1
-            if name in live:  # an older instance still pending reads would be shadowed
-                raise ScheduleError(f"step {s} recomputes {name} while its earlier instance is live")
+            if live_parts[vi]:  # an older instance still pending reads would be shadowed
+                raise ScheduleError(f"step {s} recomputes {v.name} while its earlier instance is live")
         if end is not None and s == end + 1:
             mem += tangent_bytes
         now = mem + v.out_bytes + v.kept_bytes + v.workspace_bytes
@@ -147,16 +187,18 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
         if now > peak:
             peak, peak_step = now, s
         mem += v.out_bytes + v.kept_bytes  # kept bytes leave only with `releases` (forward_kept)
-        live[name] = {k: b for k, (b, _) in enumerate(_parts(v))}
-        computed.add(name)
+        for key in tab.own[vi]:
+            live[key] = tab.part_bytes[key]
+        live_parts[vi] = len(tab.own[vi])
+        computed[vi] = 1
         total_cost += v.cost
         total_flops += v.flops
-        for f, k in frees[s]:
-            mem -= live[f].pop(k)
-            if not live[f]:
-                del live[f]
+        for key in frees[s]:
+            mem -= live[key]
+            live[key] = -1
+            live_parts[tab.key_node[key]] -= 1
         mem -= releases.get(s, 0)
-    missing = [n.name for n in graph.nodes if n.name not in computed]
+    missing = [n.name for i, n in enumerate(nodes) if not computed[i]]
     if missing:
         raise ScheduleError(f"schedule never computes {len(missing)} node(s), e.g. {missing[:5]}")
     return SimResult(peak_bytes=peak, peak_step=peak_step, total_cost=total_cost,
