@@ -189,8 +189,10 @@ def test_cbc_always_crashing_never_raises(monkeypatch, tmp_path):
 
 def _limited_solve(g, budget):
     # one node and no gap tolerance: the search is cut by the node limit (not proven optimal), as
-    # the default solve is on real models; a wall-clock limit here would make it load-dependent
-    return checkmate.solve(g, budget, coarsen_to=40, max_nodes=1, mip_gap=0)
+    # the default solve is on real models; a wall-clock limit here would make it load-dependent.
+    # The MILP alone (certify=False): the certified search's determinism is
+    # test_solver_scale.py's test_same_plan_every_time_and_a_time_limit_keeps_the_best_plan
+    return checkmate.solve(g, budget, coarsen_to=40, max_nodes=1, mip_gap=0, certify=False)
 
 
 @needs_highs
