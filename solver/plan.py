@@ -24,10 +24,11 @@ from enum import StrEnum
 from pathlib import Path
 
 from remat.graph_capture.training_graph import TrainingGraph
+from remat.solver.plan_details import PlanDetails
 from remat.solver.simulator import simulate
 
 __all__ = ["Plan", "PlanStatus", "plan_from_schedule", "finished", "LOWEST_PEAK", "InfeasibleBudgetError", "PlanFileError", "PlanFileNotFoundError",
-           "SCHEMA_VERSION", "FORMAT"]
+           "SCHEMA_VERSION", "FORMAT", "PlanDetails"]
 
 SCHEMA_VERSION = 2  # of the plan file; 1: the files written before it was recorded (no version key)
 FORMAT = "remat plan"  # the file's "format" key, so a foreign JSON file is named as such
@@ -86,7 +87,7 @@ class Plan:
     gap: float | None = None  # relative MIP gap certified by the solver (0 when optimal)
     lower_bound: float | None = None  # proven lower bound on the optimal extra cost at this budget
     graph_fingerprint: str = ""  # TrainingGraph.fingerprint() of the graph it was made for
-    details: dict = field(default_factory=dict)  # strategy-specific numbers (coarse size, k, ...)
+    details: PlanDetails = field(default_factory=dict)  # how the strategy found it (keys: solver/plan_details.py)
     # what it was made for: model, parameters, inputs, device, torch version, solver options
     # (remat/plan_file.py fills it in; empty for plans that never left a solver)
     context: dict = field(default_factory=dict)
@@ -291,7 +292,7 @@ def _checked_fields(data, source: str) -> dict:
 def plan_from_schedule(graph: TrainingGraph, schedule: list[str], *, strategy: str,
                        budget_bytes: int | None, status: PlanStatus | str, solve_time_s: float = 0.0,
                        gap: float | None = None, lower_bound: float | None = None,
-                       details: dict | None = None) -> Plan:
+                       details: PlanDetails | dict | None = None) -> Plan:
     """Judge `schedule` with the simulator and package it as a Plan (the one constructor the
     strategies use)."""
     sim = simulate(graph, schedule)
