@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from remat.compat.torch_private import extract_fwd_bwd_modules
+from remat.graph_capture.bn_replay import is_recomputable_batch_norm, recomputation_args
 from remat.graph_capture.build import JointGraphInfo
 from remat.graph_capture.rng_replay import is_replayable_dropout
 from remat.runtime.compile import RECOMPUTED
@@ -45,6 +46,8 @@ def scheduled_joint_graph(info: JointGraphInfo, plan: Plan) -> tuple[fx.GraphMod
             c.meta[RECOMPUTED] = True
             if is_replayable_dropout(c):  # its mask drawn again from the state saved before the first
                 c.args = (*c.args[:3], True)
+            elif is_recomputable_batch_norm(c):  # BatchNorm's output again, its statistics dropped
+                c.args = recomputation_args(c.args)
         # strict placement: without it the extraction would also copy into the backward any
         # forward node whose inputs happen to be saved, and fx keeps random ops even when unused
         c.meta["partitioner_tag"] = "must_be_in_backward" if backward else "must_be_in_forward"

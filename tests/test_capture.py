@@ -127,7 +127,8 @@ def test_capture_kwargs_and_several_outputs():
     by_op = {}
     for n in g.nodes:
         by_op.setdefault(n.op, []).append(n)
-    assert (len(g.forward_nodes), len(g.backward_nodes)) == (11, 11)  # the dropout and its saved state
+    # the dropout and its saved state; BatchNorm's output and its statistics
+    assert (len(g.forward_nodes), len(g.backward_nodes)) == (12, 11)
     # `target=` is resident, as are the model and `x`; so are the tangents: 4 bytes for the loss's
     # seed, and y's gradient (zeros, y is not differentiated), freed after its one reader
     assert g.resident_bytes == resident_bytes([model, x, t]) + sum(b for b, _ in g.tangents)
@@ -140,12 +141,17 @@ def test_capture_kwargs_and_several_outputs():
     assert (y.op, y.out_bytes, y.kept_bytes) == ("mul.Tensor", 0, y_bytes)
     (loss,) = by_op["mse_loss.default"]
     assert loss.inputs == (y.name,) and loss.kept_bytes == y_bytes
-    # BatchNorm: its output dies with its reader, its new running mean and variance and the
-    # incremented num_batches_tracked are forward_kept (dropped when the forward ends)
-    (bn,) = by_op["_native_batch_norm_legit_functional.default"]
+    # BatchNorm: its output (recomputable, graph_capture/bn_replay.py) dies with its reader; its
+    # statistics node holds the saved mean and invstd for the backward, and the new running mean
+    # and variance and the incremented num_batches_tracked are forward_kept (dropped when the
+    # forward ends)
+    (bn,) = by_op["batch_norm.default"]
+    (bn_stats,) = by_op["batch_norm_stats.default"]
     stats = model.bn.running_mean.nbytes
-    assert bn.forward_kept == ((stats, ("native_batch_norm_backward",)),) * 2
-    assert [b for b, _ in bn.out_parts] == [16 * 64 * 4, stats, stats]
+    assert (bn.out_bytes, bn.kept_bytes, bn.recomputable) == (16 * 64 * 4, 0, True)
+    assert bn_stats.inputs == (bn.name,) and not bn_stats.recomputable
+    assert bn_stats.forward_kept == ((stats, ("native_batch_norm_backward",)),) * 2
+    assert [b for b, _ in bn_stats.out_parts] == [stats, stats]
     (count,) = [n for n in g.forward_nodes if n.module_path == "fc1" and n.op == "add.Tensor"]
     assert count.forward_kept == ((model.bn.num_batches_tracked.nbytes, ()),)
     # the dropout mask: 1 byte per element of its (16, 64) input, replayable from the generator

@@ -65,7 +65,7 @@ def test_cuda_plan_rounds_every_allocation_to_512_bytes(monkeypatch):
     g = capture_without_memory(model, inputs, device="cuda")
     # the CPU graph as CUDA's is traced: dropout is replayed from a saved state on the CPU only
     assert not any(n.op == "rng_state.default" for n in g.nodes)
-    monkeypatch.setattr("remat.api.make_dropout_replayable", lambda gm, device_type: 0)
+    monkeypatch.setattr("remat.graph_capture.rewrites.make_dropout_replayable", lambda gm, device_type: 0)
     real_graph = remat.capture(default_model(CFG), default_inputs(CFG))
     assert g.fingerprint() == real_graph.fingerprint()  # the traced sizes are what is hashed
     sizes = [g.resident_bytes] + [b for b, _ in g.tangents]

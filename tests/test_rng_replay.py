@@ -76,7 +76,7 @@ def test_a_plan_that_recomputes_dropout_is_bit_identical_and_measured_as_predict
 
 def test_replay_lowers_the_smallest_feasible_budget(gpt, monkeypatch):
     model, inputs, _, replayed = gpt
-    monkeypatch.setattr("remat.api.make_dropout_replayable", lambda gm, device_type: 0)
+    monkeypatch.setattr("remat.graph_capture.rewrites.make_dropout_replayable", lambda gm, device_type: 0)
     kept = remat.capture(model, inputs, quiet=True)
     assert not any(n.op == "dropout.default" for n in kept.nodes)
     assert replayed < min_feasible_budget(kept)
