@@ -30,7 +30,10 @@ other processes of a shared machine disturb less than wall-clock time, with the 
 beside it), its ratio to keep_all (whose steps alternate with the row's, so that drift in the
 machine's load weighs on both) and to the row's own base (keep_all for
 remat, the unmodified eager model for checkpoint peers, torch.compile at budget 1.0 for compile
-rows), the predicted time ratio (1 + extra cost / step cost, remat's cost model), solve time, MIP
+rows), the predicted time ratio (1 + extra cost / step cost, remat's default FLOP cost model) and
+the same schedule's on the graph captured again with `cost_model="measured"` (each op timed on this
+machine, graph_capture/op_timing.py; the notes give both models' largest and mean |pred/meas - 1|),
+solve time, MIP
 gap, and whether loss and gradients equal the unmodified model's (dropout on, the same seed before
 each step; "exact" bit for bit, "ok" allclose(rtol=1e-5, atol=1e-6), else "DIFF" with the largest
 error). Whether compiled dropout reproduces eager's masks is inductor's business
@@ -59,6 +62,7 @@ import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import torch
@@ -73,6 +77,7 @@ from remat.solver.plan import LOWEST_PEAK
 from remat.solver.per_block import find_blocks
 from remat.solver.plan import InfeasibleBudgetError, Plan
 from remat.solver.revolve import NotAChainError
+from remat.solver.simulator import simulate
 
 MiB = 2**20
 REMAT = ("keep_all", "equal_spacing", "checkmate", "chen_greedy", "per_block", "selective", "revolve")
@@ -120,6 +125,7 @@ class Row:
     pred_xflops: int | None = None
     meas_xflops: int | None = None
     pred_time_ratio: float | None = None
+    pred_time_ratio_measured: float | None = None  # the schedule judged on the measured-cost graph
     cpu_s: float | None = None  # median process CPU time of a step
     wall_s: float | None = None  # median wall-clock time of a step
     time_ratio: float | None = None  # median CPU time over keep_all's, timed alternately
@@ -239,6 +245,11 @@ def run_model(name: str, build, desc: str, trunk: str | None, a) -> tuple[list[R
     ref = (ref_loss, ref_grads)
     graph = remat.capture(model, inputs)
     total_cost = graph.total_cost
+    say("capture with measured op times (cost_model='measured')")
+    timed = remat.capture(model, inputs, cost_model="measured")  # the same graph, costs in ns
+    assert timed.fingerprint() == graph.fingerprint(), "the measured-cost graph is not the same graph"
+    extra_ns: dict[str, float] = {}  # schedule sha -> extra ns the measured model predicts
+    step_ns = timed.meta["cost_timing"].get("first_computation_ns", timed.total_cost)  # every node once
     keep_plan = remat.solve(graph, None, solver="keep_all")
     lows: dict[str, int] = {}
     for s in REMAT[1:]:
@@ -299,6 +310,8 @@ def run_model(name: str, build, desc: str, trunk: str | None, a) -> tuple[list[R
         row.pred_xflops = plan.extra_flops
         row.pred_time_ratio = 1 + plan.extra_cost / total_cost
         row.schedule_sha = _sha(plan)
+        extra_ns[row.schedule_sha] = simulate(timed, list(plan.schedule)).extra_cost
+        row.pred_time_ratio_measured = 1 + extra_ns[row.schedule_sha] / step_ns
         m, note = deploy_and_measure(plan)
         row.note = note
         row.predicted_peak = m["predicted_peak"]
@@ -419,11 +432,63 @@ def run_model(name: str, build, desc: str, trunk: str | None, a) -> tuple[list[R
         base = by_name.get(r.base)
         if r.time_ratio and base is not None:
             r.base_ratio = r.time_ratio / base.time_ratio
+    notes.append(timed_note(timed))
+    notes.append(disagreement_note(rows, extra_ns, keep.cpu_s))
     notes.insert(0, f"keep_all: predicted peak {keep.predicted_peak / MiB:.2f} MiB, measured "
                     f"{keep.measured_peak / MiB:.2f} MiB, step {keep.cpu_s * 1e3:.0f} ms CPU "
                     f"({keep.wall_s * 1e3:.0f} ms wall); "
                     f"eager model {by_name['eager (no checkpointing)'].cpu_s * 1e3:.0f} ms CPU")
     return rows, notes
+
+
+def timed_note(timed) -> str:
+    """One line: how the measured-cost graph was timed, and the sum of its ops' times."""
+    t = timed.meta.get("cost_timing", {})
+    est = t.get("estimated_nodes", [])
+    return (f"measured cost model: {len(timed.nodes)} nodes, {t.get('signatures')} distinct op calls timed on "
+            f"{t.get('device')} ({t.get('warmup')} warm-up runs, median of {t.get('repeats')}, torch threads "
+            f"{t.get('torch_threads')}, {t.get('seconds')} s); sum of op times "
+            f"{t.get('first_computation_ns', timed.total_cost) / 1e6:.1f} ms"
+            + (f"; {len(est)} nodes priced by the FLOP model: {', '.join(est[:5])}" if est else ""))
+
+
+def disagreement(rows: list[Row], pred: str) -> tuple[float, float, int, int] | None:
+    """(largest, mean |pred/meas - 1|, count, how many over 10%) over the distinct schedules of the
+    remat rows that were measured, keep_all's own schedule left out (its ratios are 1 by
+    construction); `pred` names the Row field holding the prediction."""
+    keep = next((r.schedule_sha for r in rows if r.strategy == "keep_all"), None)
+    seen: dict[str, float] = {}
+    for r in rows:
+        p = getattr(r, pred)
+        if r.family.startswith("remat") and r.schedule_sha and r.schedule_sha != keep and p and r.time_ratio:
+            seen.setdefault(r.schedule_sha, abs(p / r.time_ratio - 1))
+    if not seen:
+        return None
+    errs = list(seen.values())
+    return max(errs), sum(errs) / len(errs), len(errs), sum(e > 0.10 for e in errs)
+
+
+def disagreement_note(rows: list[Row], extra_ns: dict[str, float] | None = None,
+                      keep_cpu_s: float | None = None) -> str:
+    """One line: how far the predicted time ratios are from the measured ones (time/keep), for the
+    FLOP cost model ("time pred") and the measured one ("time pred (measured)"); with `extra_ns`,
+    also the measured model's extra nanoseconds over keep_all's measured step time (the step
+    spends time outside the ops too: Python, autograd, the allocator)."""
+    parts = []
+    for label, field_name in (("FLOP model (time pred)", "pred_time_ratio"),
+                              ("measured model (time pred (measured))", "pred_time_ratio_measured")):
+        d = disagreement(rows, field_name)
+        parts.append(f"{label}: " + ("no schedule to compare" if d is None else
+                                      f"largest {d[0]:.1%}, mean {d[1]:.1%} over {d[2]} distinct schedules, "
+                                      f"{d[3]} over 10%"))
+    if extra_ns and keep_cpu_s:
+        over_step = [dataclasses_replace(r, pred_time_ratio=1 + extra_ns[r.schedule_sha] / (keep_cpu_s * 1e9))
+                     for r in rows if r.schedule_sha in extra_ns]
+        d = disagreement(over_step, "pred_time_ratio")
+        if d is not None:
+            parts.append(f"measured model's extra time over keep_all's measured step time: largest {d[0]:.1%}, "
+                         f"mean {d[1]:.1%}, {d[3]} over 10%")
+    return "time prediction vs measurement, |pred/meas - 1|: " + "; ".join(parts)
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -449,7 +514,8 @@ def _r(x):
 
 
 COLUMNS = ["strategy", "budget MiB", "status", "pred MiB", "meas MiB", "meas/keep", "xFLOP pred G", "xFLOP meas G",
-           "time pred", "time/keep", "time/base", "step ms (cpu/wall)", "solve s", "gap", "grads", "note"]
+           "time pred", "time pred (measured)", "time/keep", "time/base", "step ms (cpu/wall)", "solve s", "gap",
+           "grads", "note"]
 
 
 def _cells(r: Row, keep_peak: int) -> list[str]:
@@ -457,7 +523,8 @@ def _cells(r: Row, keep_peak: int) -> list[str]:
     return [r.strategy + (" @peer" if r.family == "remat@peer" else ""), _mib(r.budget_bytes), r.status,
             _mib(r.predicted_peak), _mib(r.measured_peak),
             "-" if r.measured_peak is None else f"{r.measured_peak / keep_peak:.3f}", _g(r.pred_xflops),
-            _g(r.meas_xflops), _r(r.pred_time_ratio), _r(r.time_ratio), _r(r.base_ratio),
+            _g(r.meas_xflops), _r(r.pred_time_ratio), _r(r.pred_time_ratio_measured), _r(r.time_ratio),
+            _r(r.base_ratio),
             "-" if r.cpu_s is None else f"{r.cpu_s * 1e3:.0f}/{r.wall_s * 1e3:.0f}",
             "-" if r.solve_s is None else f"{r.solve_s:.2f}", "-" if r.gap is None else f"{r.gap:.2g}",
             grads or "-", r.note.replace("|", "/")]
@@ -468,7 +535,11 @@ def write_results(out: Path, name: str, desc: str, rows: list[Row], notes: list[
     lines = [f"# {name}: strategies side by side", "", *[f"    {h}" for h in head], f"    model: {desc}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     lines += ["| " + " | ".join(_cells(r, keep_peak)) + " |" for r in rows]
-    lines += ["", "time pred: 1 + extra cost / step cost (remat's cost model); time/keep: median CPU time of a step "
+    lines += ["", "time pred: 1 + extra cost / step cost (remat's cost model); time pred (measured): the same "
+              "schedule judged by the simulator on the measured-cost graph (remat.capture(..., "
+              "cost_model='measured'): each op's median time on this machine, as recomputed), 1 + extra ns / sum "
+              "of the first computations' ns; "
+              "time/keep: median CPU time of a step "
               "over keep_all's, their steps alternating; time/base: over the row's own base (keep_all for remat "
               "rows, the eager model for checkpoint peers, torch.compile at budget 1.0 for compile rows). "
               "xFLOP: matmul-like FLOPs of "

@@ -16,6 +16,7 @@ from remat.graph_capture.build import JointGraphInfo, build_training_graph
 from remat.graph_capture.rewrites import prepare_joint_graph
 from remat.graph_capture.rng_replay import step_device_type
 from remat.graph_capture.joint import PartitionFailed, TraceError, trace_training_step
+from remat.graph_capture.op_timing import measured_cost_graph
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.plan_file import check_context, load_plan, plan_context, rejudge
 from remat.runtime.compile import PlannedGraphs
@@ -48,12 +49,15 @@ class Planner:
     """AOTAutograd's partition function for one trace: it builds the TrainingGraph from the joint
     graph (`info`, `graph`) and, given `decide` (TrainingGraph -> Plan), splits the joint graph
     into forward and backward by that plan (`plan`); without `decide` it splits it as AOTAutograd
-    would. Errors while planning (a budget no plan fits, a saved plan for another graph, ...) are
+    would. `cost_model` "measured": the graph's costs are the ops' measured times (op_timing.py).
+    Errors while planning (a budget no plan fits, a saved plan for another graph, ...) are
     remat's own: they leave the trace as they are (PartitionFailed), not as a TraceError."""
 
-    def __init__(self, name: str, decide: Callable[[TrainingGraph], Plan] | None = None):
+    def __init__(self, name: str, decide: Callable[[TrainingGraph], Plan] | None = None,
+                 cost_model: str = "flops"):
         self.name = name
         self.decide = decide
+        self.cost_model = cost_model
         self.info: JointGraphInfo | None = None
         self.plan: Plan | None = None
 
@@ -65,6 +69,8 @@ class Planner:
     def __call__(self, joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
         try:
             self.info = _joint_info(joint_gm, num_fwd_outputs, self.name)
+            if self.cost_model == "measured":  # same structure, costs in measured nanoseconds
+                self.info.graph = measured_cost_graph(self.info)
             if self.decide is not None:
                 self.plan = self.decide(self.info.graph)
                 return partition_with_plan(self.info, self.plan)
@@ -74,12 +80,16 @@ class Planner:
 
 
 def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
-            fused_attention: bool | str = True, *, quiet: bool = False) -> TrainingGraph:
+            fused_attention: bool | str = True, *, quiet: bool = False, cost_model: str = "flops") -> TrainingGraph:
     """Trace one training step of `model` (forward and backward, ATen level) into a TrainingGraph.
     `fused_attention`: trace attention as remat's flash op where it can (see `optimize`).
-    quiet: no progress on stderr (shown otherwise for stages longer than a couple of seconds)."""
-    check_capture_args(model, example_inputs, example_kwargs, fused_attention)  # before any tracing
-    planner = Planner(type(model).__name__)
+    quiet: no progress on stderr (shown otherwise for stages longer than a couple of seconds).
+    cost_model: "flops" (default; deterministic): each node costs its FLOPs plus a weight per byte
+    moved; "measured": each node costs the median time its ops take on the capture device, in
+    nanoseconds, as Checkmate profiles its ops (graph_capture/op_timing.py; plans may then differ
+    from run to run). The graph's structure, bytes and fingerprint are the same either way."""
+    check_capture_args(model, example_inputs, example_kwargs, fused_attention, cost_model)  # before any tracing
+    planner = Planner(type(model).__name__, cost_model=cost_model)
     with progress.quiet(quiet):
         trace_training_step(model, _as_tuple(example_inputs), example_kwargs, planner, fused_attention)
     return planner.graph
@@ -139,7 +149,7 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
              solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | str | os.PathLike | None = None,
              fused_attention: bool | str = True, solve_on_rank: int | None = None, quiet: bool = False,
-             **solver_kwargs) -> RematModule:
+             cost_model: str = "flops", **solver_kwargs) -> RematModule:
     """Return a drop-in module whose training step peaks under the budget.
 
     The budget is the real peak of one training step, forward and backward: parameters,
@@ -166,9 +176,10 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     wrapped (`torch.compile(model)`, `.compile()`d submodules) is traced as the eager model and
     the plan's forward and backward graphs are compiled by Inductor as they are.
     Tracing, probing and solving show progress on stderr when they take more than a couple of
-    seconds; `quiet=True` silences it."""
+    seconds; `quiet=True` silences it. `cost_model` ("flops" or "measured") is what the solver
+    minimises, as in `capture`."""
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
-                        plan, fused_attention, solver_kwargs)  # before any tracing or solving
+                        plan, fused_attention, solver_kwargs, cost_model)  # before any tracing or solving
     budget = _budget(budget_gb, budget_bytes)  # None: solver="keep_all" with no budget (checked above)
     args = _as_tuple(example_inputs)
     if plan is not None and not isinstance(plan, Plan):  # the path of a saved plan
@@ -176,7 +187,8 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     if plan is not None:  # made for another model, shape, device or mode: refused before tracing
         check_context(plan, model, args, example_kwargs, fused_attention)
     context = plan_context(model, args, example_kwargs, fused_attention=fused_attention, solver=solver,
-                           solver_options={"time_limit_s": time_limit_s, **solver_kwargs})
+                           solver_options={"time_limit_s": time_limit_s, **solver_kwargs,
+                                           **({"cost_model": cost_model} if cost_model != "flops" else {})})
 
     def decide(graph: TrainingGraph) -> Plan:
         if plan is not None:  # a saved plan: judge it again on this machine's graph
@@ -189,7 +201,7 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     graphs = PlannedGraphs()
     if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
         graphs.use_inductor()
-    planner = Planner(type(model).__name__, decide)
+    planner = Planner(type(model).__name__, decide, cost_model=cost_model)
     with progress.quiet(quiet):
         compiled, sig = trace_training_step(model, args, example_kwargs, planner, fused_attention,
                                             graph_compilers=graphs.compilers)

@@ -111,6 +111,17 @@ def _fused_attention(fused_attention: Any) -> None:
                                  f"got {fused_attention!r}") from None
 
 
+def _cost_model(cost_model: Any) -> None:
+    from remat.graph_capture.op_timing import COST_MODELS
+
+    if not isinstance(cost_model, str):
+        raise RematArgumentTypeError(f"cost_model must be a string, one of {', '.join(map(repr, COST_MODELS))}; got "
+                                     f"{_kind(cost_model)} {cost_model!r}")
+    if cost_model not in COST_MODELS:
+        raise RematArgumentError(f"unknown cost_model {cost_model!r}; choose one of "
+                                 f"{', '.join(map(repr, COST_MODELS))}")
+
+
 def _model(model: Any) -> None:
     import torch.nn as nn
 
@@ -141,11 +152,12 @@ def _example_inputs(example_inputs: Any, example_kwargs: Any) -> None:
 
 
 def check_capture_args(model: Any, example_inputs: Any, example_kwargs: Any = None,
-                       fused_attention: Any = True) -> None:
+                       fused_attention: Any = True, cost_model: Any = "flops") -> None:
     """The arguments of `remat.capture`."""
     _model(model)
     _example_inputs(example_inputs, example_kwargs)
     _fused_attention(fused_attention)
+    _cost_model(cost_model)
 
 
 def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", time_limit_s: Any = 60.0,
@@ -162,11 +174,11 @@ def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", t
 
 def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_inputs: Any, example_kwargs: Any,
                         solver: Any, time_limit_s: Any, plan: Any, fused_attention: Any,
-                        solver_kwargs: dict | None = None) -> None:
+                        solver_kwargs: dict | None = None, cost_model: Any = "flops") -> None:
     """The arguments of `remat.optimize`."""
     from remat.solver.plan import Plan
 
-    check_capture_args(model, example_inputs, example_kwargs, fused_attention)
+    check_capture_args(model, example_inputs, example_kwargs, fused_attention, cost_model)
     budget = budget_in_bytes(budget_gb, budget_bytes)
     if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
         raise RematArgumentTypeError(f"plan must be a remat.Plan or the path of a saved plan, got {_kind(plan)}")
