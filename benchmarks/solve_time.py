@@ -97,7 +97,8 @@ def _flat(r) -> str:
     if f["status"] == "optimal":
         return f"optimal {_pct(f['plan_extra'], r['total_cost'])} ({f['s']:.0f} s)"
     ws = f" (warm start: {f['warm_start']})" if f.get("warm_start") else ""
-    return (f"stopped at {f['s']:.0f} s: incumbent {_pct(f['plan_extra'], r['total_cost'])}{ws}, "
+    by = f" by its {f['stopped_by']}" if f.get("stopped_by") else ""
+    return (f"stopped{by} at {f['s']:.0f} s: incumbent {_pct(f['plan_extra'], r['total_cost'])}{ws}, "
             f"bound {_pct(f['bound'], r['total_cost'])}")
 
 
@@ -126,7 +127,12 @@ def main() -> int:
     ap.add_argument("--flat-limit", type=float, default=600.0, help="wall-clock seconds for the flat MILP (0: skip)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # kind:layers:frac:dtype, run in a child process
+    ap.add_argument("--render", action="store_true", help="rewrite solve_time.txt from solve_time.json, no solving")
     a = ap.parse_args()
+    out = Path(a.out)
+    if a.render:
+        saved = json.loads((out / "solve_time.json").read_text())
+        return _write(out, saved["machine"], saved["rows"])
     if a.row:
         kind, layers, frac, dtype = a.row.split(":")
         print(json.dumps(row(kind, int(layers), float(frac), a.flat_limit, dtype)))
@@ -144,9 +150,14 @@ def main() -> int:
             return res.returncode
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(table([rows[-1]])[-1], flush=True)
+    return _write(Path(a.out), machine(), rows)
+
+
+def _write(out: Path, machine: str, rows: list[dict]) -> int:
+    """solve_time.txt and .json under `out`, and the table on stdout."""
     spec = [r for r in rows if r["kind"] == "spec"]
     default = [r for r in rows if r["kind"] == "default"]
-    text = [f"machine: {machine()}",
+    text = [f"machine: {machine}",
             "checkmate, default options (deterministic work limits, mip_gap 1e-4); extra and bound in % of the "
             "step's cost (FLOP-equivalents), gap = (extra - bound) / extra; the bound is proven: no schedule "
             "computing the nodes first in graph order fits the budget at a lower extra cost",
@@ -154,10 +165,9 @@ def main() -> int:
             "for cuda (remat.plan's); budget 50% of keep_all's predicted peak:", *table(spec),
             "", "default model (4 layers, seq 256, width 128, dropout 0.1), captured on the CPU; budgets "
             "90/70/50% of keep_all's predicted peak:", *table(default)]
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "solve_time.txt").write_text("\n".join(text) + "\n")
-    (out / "solve_time.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1, default=str))
+    (out / "solve_time.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1, default=str))
     print("\n".join(text))
     print(f"wrote {out / 'solve_time.txt'} and .json")
     return 0
