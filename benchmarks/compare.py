@@ -8,7 +8,7 @@
 For each model (the default GPT of remat.default_model, and remat.models' U-Net, ResNet and
 MobileNet) the step is captured once (remat.capture) and its budgets are swept from keep_all's
 predicted peak down to the smallest feasible one (the lowest peak any strategy reaches, checkmate's
-min-peak MILP included), `--budgets` values evenly spaced. At each budget every remat strategy
+lowest-peak plan included), `--budgets` values evenly spaced. At each budget every remat strategy
 (keep_all, equal_spacing, checkmate, chen_greedy, per_block, selective, revolve) is solved with
 `remat.solve` on that graph (the call `remat.optimize` makes; InfeasibleBudgetError and revolve's
 NotAChainError are recorded as the row's status) and each distinct plan is deployed with
@@ -263,9 +263,11 @@ def run_model(name: str, build, desc: str, trunk: str | None, a) -> tuple[list[R
         from remat.solver.checkmate import min_feasible_budget
 
         t0 = time.perf_counter()
-        lows["checkmate"] = min_feasible_budget(graph, time_limit_s=a.time_limit)
-        notes.append(f"checkmate's smallest feasible budget (min-peak MILP): {lows['checkmate'] / MiB:.2f} MiB, "
-                     f"found in {time.perf_counter() - t0:.1f} s")
+        lows["checkmate"], low_plan = min_feasible_budget(graph, time_limit_s=a.time_limit, return_plan=True)
+        floor = low_plan.details.get("peak_lower_bound")
+        notes.append(f"checkmate's smallest feasible budget ({low_plan.details.get('schedule_source')}): "
+                     f"{lows['checkmate'] / MiB:.2f} MiB, found in {time.perf_counter() - t0:.1f} s"
+                     + ("" if floor is None else f"; no plan peaks below {floor / MiB:.2f} MiB (proven)"))
     notes.append("lowest peak each strategy reaches (MiB): " + ", ".join(f"{k} {v / MiB:.2f}" for k, v in lows.items()))
     hi, lo = keep_plan.predicted_peak_bytes, min(lows.values())
     n = max(a.budgets, 2)
@@ -664,7 +666,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier times on a shared machine)")
     ap.add_argument("--time-limit", type=float, default=None, help="wall-clock limit on each checkmate MILP")
     ap.add_argument("--no-min-peak", dest="min_peak", action="store_false",
-                    help="skip checkmate's min-peak MILP when choosing the smallest budget")
+                    help="skip checkmate's lowest-peak search when choosing the smallest budget")
     ap.add_argument("--no-match-peers", dest="match_peers", action="store_false",
                     help="do not solve checkmate at each peer's measured peak")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny models, 3 budgets, < 2 minutes")
