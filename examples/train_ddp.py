@@ -36,7 +36,7 @@ def main():
     model = default_model(cfg).to(device)  # same weights everywhere (DDP also broadcasts rank 0's)
     idx, targets = default_inputs(cfg, seed=1 + rank, device=device)  # each rank its own batch
 
-    reserved = ddp_reserved_bytes(model)  # DDP's gradient buckets (a copy of the gradients) and a bit more
+    reserved = ddp_reserved_bytes(model)  # DDP's gradient buckets (twice: rebuilt once) and a bit more
     if args.budget_mb is not None:
         budget = int(args.budget_mb * 2**20)
     else:  # for the demo: 70% of the step without remat, plus the buckets

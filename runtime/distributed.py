@@ -135,21 +135,24 @@ def plan_on_one_rank(decide: Callable[[TrainingGraph], Plan], adopt: Callable[[P
 
 def ddp_reserved_bytes(module: nn.Module) -> int:
     """Bytes DistributedDataParallel holds on each rank outside the training step: its gradient
-    buckets, one element per distinct parameter that requires grad, allocated when DDP is built.
-    Plan the step for `budget - ddp_reserved_bytes(model)` so the step and the buckets together fit.
-    Also included, for what DDP holds now and then at the end of a step (measured on CPU/gloo, not in
-    every step): one gradient-sized tensor more, up to the largest parameter's bytes, released
-    just after the step, and DDP_BOOKKEEPING_BYTES for the reducer's small tensors (up to 640 bytes).
-    Not a peak of the step: building DDP broadcasts rank 0's parameters through a flat copy, and the
-    second forward re-allocates the buckets before freeing the old ones, both before any activation
-    exists (the step's own peak holds every gradient, so it is never below these)."""
+    buckets, one element per distinct parameter that requires grad, allocated when DDP is built,
+    counted twice: the second forward re-allocates the buckets (in the order the first backward
+    filled them) before the old ones are freed, and on CPU/gloo the old ones are sometimes still
+    alive at the step's peak (measured: the step's peak plus two bucket sets, in some runs and not
+    others). Plan the step for `budget - ddp_reserved_bytes(model)` so the step and the buckets
+    together fit. Also included, for what DDP holds now and then at the end of a step (measured on
+    CPU/gloo, not in every step): one gradient-sized tensor more, up to the largest parameter's
+    bytes, released just after the step, and DDP_BOOKKEEPING_BYTES for the reducer's small tensors
+    (up to 640 bytes). Not a peak of the step: building DDP broadcasts rank 0's parameters through a
+    flat copy before any activation exists (the step's own peak holds every gradient, so it is
+    never below it)."""
     seen: set[int] = set()
     sizes = []
     for p in module.parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             sizes.append(p.numel() * p.element_size())
-    return sum(sizes) + max(sizes, default=0) + DDP_BOOKKEEPING_BYTES
+    return 2 * sum(sizes) + max(sizes, default=0) + DDP_BOOKKEEPING_BYTES
 
 
 def distributed_wrapper(model: nn.Module) -> str | None:

@@ -10,6 +10,8 @@ __all__ = ["PlanDetails"]
 
 
 class PlanDetails(TypedDict, total=False):
+    """plan.details, key by key: every key optional, each filled in by the strategy named beside it."""
+
     # ---- checkmate (solver/checkmate.py): where the plan came from ---------------------------------
     schedule_source: str  # "milp", "relaxation", "equal_spacing", "fallback", "lowest_peak", ...
     refined_from: str  # the candidate the chosen schedule was refined from
