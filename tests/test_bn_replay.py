@@ -275,3 +275,40 @@ def test_a_plan_made_on_the_meta_device_is_the_real_graphs():
     assert plan.graph_fingerprint == graph.fingerprint() and plan.details["estimated_workspaces"] == []
     opt = remat.optimize(real, example_inputs=(x, y), plan=plan, quiet=True)
     assert opt.plan.predicted_peak_bytes == plan.predicted_peak_bytes and _recomputed_bn(plan, graph)
+
+
+class OtherSpellings(nn.Module):
+    """BatchNorm as users also write it: F.batch_norm on buffers of the module's own, BatchNorm1d on
+    (N, C, L) with another momentum and eps, and BatchNorm2d without affine parameters."""
+
+    def __init__(self, c: int = 6):
+        super().__init__()
+        self.stem = nn.Conv1d(3, c, 3, padding=1)
+        self.w, self.b = nn.Parameter(torch.rand(c) + 0.5), nn.Parameter(torch.randn(c))
+        self.register_buffer("rm", torch.zeros(c))
+        self.register_buffer("rv", torch.ones(c))
+        self.bn1d = nn.BatchNorm1d(c, momentum=0.3, eps=1e-3)
+        self.mid = nn.Conv1d(c, c, 3, padding=1)
+        self.bn2d = nn.BatchNorm2d(c, affine=False)
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.stem(x))
+        h = F.batch_norm(h, self.rm, self.rv, self.w, self.b, training=True, momentum=0.05, eps=1e-4)
+        h = self.mid(torch.relu(self.bn1d(torch.sin(h))))
+        h = self.bn2d(h.unsqueeze(-1)).squeeze(-1)
+        return F.cross_entropy(self.head(torch.cos(h).mean(2)), y)
+
+
+def test_other_spellings_recompute_batch_norm_exactly_and_peak_as_predicted():
+    torch.manual_seed(0)
+    model = OtherSpellings()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 3, 16, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(2)]
+    reference = copy.deepcopy(model)
+    opt, graph = _keep_none(model, batches[0])
+    assert sum(n.op == BATCH_NORM_OP for n in graph.forward_nodes) == 3
+    assert len(_recomputed_bn(opt.plan, graph)) == 3
+    assert _measured(opt, model, *batches[0]) == opt.plan.predicted_peak_bytes
+    model.load_state_dict(reference.state_dict())
+    _same_training(model, opt, reference, batches)
