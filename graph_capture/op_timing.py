@@ -47,7 +47,7 @@ from remat.graph_capture.build import JointGraphInfo
 from remat.graph_capture.progress import stage
 from remat.graph_capture.rng_replay import is_replayable_dropout, probe_callable
 from remat.graph_capture.training_graph import TrainingGraph
-from remat.graph_capture.workspace import _signature, op_groups, tensors_in
+from remat.graph_capture.workspace import _real, _signature, op_groups, real_args, tensors_in
 
 __all__ = ["COST_MODELS", "MIN_COST_NS", "OpTimingError", "time_ops", "measured_cost_graph", "shared_signature",
            "recomputation_form"]
@@ -84,38 +84,12 @@ def _time_call(fn, make_args, device: torch.device, warmup: int, repeats: int, f
     return float(statistics.median(times))
 
 
-def _real(v, device: torch.device):
-    """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device`, random
-    floats, integers 0 (a valid index), bools True. Built on a flat storage, so an expanded value
-    (stride 0, which workspace.py's probe cannot fill) is made too."""
-    if isinstance(v, torch.Tensor):
-        shape, stride, offset = tuple(v.shape), tuple(v.stride()), int(v.storage_offset())
-        size = 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
-        flat = torch.empty(size, dtype=v.dtype, device=device)
-        if v.dtype.is_floating_point or v.dtype.is_complex:
-            flat.normal_(0, 0.1)
-        elif v.dtype == torch.bool:
-            flat.fill_(True)
-        else:
-            flat.zero_()
-        return flat.as_strided(shape, stride, offset)
-    if isinstance(v, (list, tuple)):
-        return type(v)(_real(x, device) for x in v)
-    return v
-
-
-def _real_args(n: fx.Node, device: torch.device) -> tuple[tuple, dict]:
-    args = fx.node.map_arg(n.args, lambda a: _real(a.meta.get("val"), device))
-    kwargs = fx.node.map_arg(n.kwargs, lambda a: _real(a.meta.get("val"), device))
-    return args, kwargs
-
-
 def _run(n: fx.Node, device: torch.device):
     """`n`'s value computed from random arguments (a getitem: of its source's value)."""
     if n.op == "call_function" and n.target is operator.getitem:
         return _run(n.args[0], device)[n.args[1]]
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-        args, kwargs = _real_args(n, device)
+        args, kwargs = real_args(n, device)()
         return probe_callable(n.target)(*args, **kwargs)
     return _real(n.meta.get("val"), device)
 
@@ -153,7 +127,7 @@ def _time_op(n: fx.Node, device: torch.device, warmup: int, repeats: int, recomp
         return make_args
 
     try:
-        return _time_call(fn, made(lambda: _real_args(n, device)), device, warmup, repeats)
+        return _time_call(fn, made(real_args(n, device)), device, warmup, repeats)
     except Exception:
         return _time_call(fn, made(lambda: _args_from_producers(n, device)), device, warmup, repeats, fresh=True)
 

@@ -42,15 +42,21 @@ __all__ = ["OpProbe", "Case", "probe_ops", "tensors_in", "run_cases", "real_args
 
 
 def _real(v, device: torch.device):
+    """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device`: random
+    floats, integers 0 (a valid index for every gather/embedding/loss target), bools True. Built on
+    a flat storage and viewed with `v`'s strides, so an expanded value (stride 0, whose elements
+    share memory and cannot be filled through the view) is made too."""
     if isinstance(v, torch.Tensor):
-        t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=device)
+        shape, stride, offset = tuple(v.shape), tuple(v.stride()), int(v.storage_offset())
+        size = 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        flat = torch.empty(size, dtype=v.dtype, device=device)
         if v.dtype.is_floating_point or v.dtype.is_complex:
-            t.normal_(0, 0.1)
+            flat.normal_(0, 0.1)
         elif v.dtype == torch.bool:
-            t.fill_(True)
+            flat.fill_(True)
         else:
-            t.zero_()  # a valid index for every gather/embedding/loss target
-        return t
+            flat.zero_()
+        return flat.as_strided(shape, stride, offset)
     if isinstance(v, (list, tuple)):
         return type(v)(_real(x, device) for x in v)
     return v
