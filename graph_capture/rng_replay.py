@@ -11,11 +11,12 @@ becomes
     out, mask = remat::dropout(s, x, p, replay=False)  # deterministic given s: recomputable
 
 and the runtime emits each recomputation with replay=True (runtime/partition.py). The first
-computation is native_dropout itself, drawing from the global generator as eager does (nothing
-random runs between s and it: the schedule's first computations follow the graph's order, and
-replays do not touch the global generator). A replay draws the mask with a private generator set
-to s (`bernoulli_` on a bool tensor, as the CPU kernel does: same mask, same allocations, checked
-by tests/test_rng_replay.py), so the random stream after the step is eager's.
+computation draws the mask as CPU native_dropout does (`bernoulli_(1 - p)` on a bool tensor), from
+the global generator as eager does (nothing random runs between s and it: the schedule's first
+computations follow the graph's order, and replays do not touch the global generator). A replay
+draws it the same way from a private generator set to s (same mask, same allocations, checked by
+tests/test_rng_replay.py), so the random stream after the step is eager's. Neither computes the
+dropout's output, which nothing reads (`out` is left uninitialised).
 
 A replay is right only if the first computation drew from s, i.e. nothing drew random numbers
 between s and it. In the graph nothing does (s is inserted right before its dropout, and the
@@ -63,23 +64,26 @@ def _(like):
 
 @torch.library.custom_op("remat::dropout", mutates_args=())
 def dropout(state: torch.Tensor, x: torch.Tensor, p: float, replay: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """native_dropout(x, p, train=True): drawn from the global generator (replay=False, the first
-    computation), or replayed from `state`, leaving the global generator untouched."""
+    """native_dropout(x, p, train=True)'s mask: drawn from the global generator (replay=False, the
+    first computation), or replayed from `state`, leaving the global generator untouched. Its
+    output is returned uninitialised (nothing reads it: see below)."""
+    if x.device.type != "cpu":
+        raise NotImplementedError("remat::dropout runs on the CPU only")
+    gen = None  # the first computation draws from the global generator, as eager's dropout
     if not replay:
         if _LAST_SAVED[0] != state.data_ptr():
             raise RngOrderError("remat: a dropout is about to draw from another generator state than the one saved "
                                 "for its recomputation (random ops ran out of the graph's order); refusing rather "
                                 "than let its recomputation draw another mask")
         _LAST_SAVED[0] = None
-        out, mask = aten.native_dropout(x, p, True)
-        return out, mask
-    if x.device.type != "cpu":
-        raise NotImplementedError("remat::dropout replays on the CPU only")
-    gen = torch.Generator()
-    gen.set_state(state)
-    p1m = 1.0 - p
-    mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(p1m, generator=gen)
-    return x.mul(mask).mul_(1.0 / p1m), mask
+    else:
+        gen = torch.Generator()
+        gen.set_state(state)
+    mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p, generator=gen)
+    # The output is not computed: make_dropout_replayable rewrites only dropouts whose output
+    # nothing reads (split_dropout_outputs computes x * mask * scale itself), and computing it
+    # (a bool-to-float cast and two multiplications) took ~40% of the dropout's time.
+    return torch.empty_like(x), mask
 
 
 @dropout.register_fake

@@ -15,6 +15,7 @@ from remat.graph_capture.joint import trace_training_step
 from remat.graph_capture.op_timing import (MIN_COST_NS, measured_cost_graph, recomputation_form, shared_signature,
                                            time_ops)
 from remat.report import reference_step
+from remat.solver.checkmate import min_feasible_budget
 from remat.validate import RematArgumentError, RematArgumentTypeError
 
 
@@ -118,11 +119,13 @@ def test_measured_plans_deploy_and_match_the_model():
     on a re-capture with the default cost model (costs are not part of the fingerprint)."""
     model, inputs = _net()
     ref_loss, ref_grads, _ = reference_step(model, inputs, seed=0)
-    keep = remat.solve(remat.capture(model, inputs, quiet=True), None, solver="keep_all").predicted_peak_bytes
-    opt = remat.optimize(model, budget_bytes=int(0.8 * keep), example_inputs=inputs, solver="checkmate",
+    graph = remat.capture(model, inputs, quiet=True)
+    keep = remat.solve(graph, None, solver="keep_all").predicted_peak_bytes
+    budget = (keep + min_feasible_budget(graph)) // 2  # halfway down to the smallest feasible budget
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=inputs, solver="checkmate",
                          time_limit_s=20, cost_model="measured", quiet=True)
     assert opt.plan.context["solver_options"]["cost_model"] == "measured"
-    assert opt.plan.fits and opt.plan.predicted_peak_bytes <= int(0.8 * keep)
+    assert opt.plan.fits and opt.plan.predicted_peak_bytes <= budget and opt.plan.recomputed
     for module in (opt, remat.optimize(model, example_inputs=inputs, plan=opt.plan, quiet=True)):
         for p in model.parameters():
             p.grad = None
