@@ -44,12 +44,15 @@ ends with "checkmate against each peer": the two at the same memory, measured ex
 gradients and time. Where checkmate's plan recomputes as many FLOPs as the peer or more (its
 default objective weighs bytes moved too, as time does), it is solved again with extra FLOPs as
 its only objective (flop_floor.py's) and measured as "checkmate (FLOP objective)"; the table
-compares the peer with whichever of the two recomputes fewer measured FLOPs. Results per model: compare_<model>.csv (with the machine line, the command and
-the notes as `#` lines), .md and .png (extra step time over each strategy's own base vs measured
-peak, one curve per strategy) under `--out`; `--render` rewrites the .md and .png from the CSV. `--quick` (a smoke test, under 2 minutes): tiny models, 3 budgets, checkmate with a
-5 s time limit, no min-peak MILP, no peer matching, torch.compile at one budget on the ResNet
-only, with the aot_eager_decomp_partition backend (the same partitioner and memory budget,
-without inductor's code generation).
+compares the peer with whichever of the two recomputes fewer measured FLOPs.
+
+Results per model: compare_<model>.csv (with the machine line, the command and the notes as `#`
+lines), .md and .png (extra step time over each strategy's own base vs measured peak, one curve
+per strategy) under `--out`; `--render` rewrites the .md and .png from the CSV. `--quick` (a
+smoke test, under 2 minutes): tiny models, 3 budgets, checkmate with a 5 s time limit, no
+min-peak MILP, no peer matching, torch.compile at one budget on the ResNet only, with the
+aot_eager_decomp_partition backend (the same partitioner and memory budget, without inductor's
+code generation).
 """
 from __future__ import annotations
 
@@ -586,13 +589,11 @@ def peer_summary(rows: list[Row]) -> list[str]:
     "remat@peer" rows; keep_all where the peer peaks at or above it) against the peer: measured
     peak, measured extra FLOPs, gradients and step time over each one's own base."""
     keep = next(r for r in rows if r.strategy == "keep_all")
-    at: dict[int, Row] = {}  # budget -> the checkmate row there recomputing the fewest measured FLOPs
-    for r in rows:
-        if r.family == "remat@peer" and r.measured_peak is not None:
-            best = at.get(r.budget_bytes)
-            if best is None or (r.meas_xflops or 0) < (best.meas_xflops or 0):
-                at[r.budget_bytes] = r
-    at.update({r.budget_bytes: r for r in rows if r.family == "remat@peer" and r.budget_bytes not in at})
+    at: dict[int, Row] = {}  # budget -> its checkmate row (of two measured: the one recomputing fewer FLOPs)
+    for r in (r for r in rows if r.family == "remat@peer"):
+        best = at.get(r.budget_bytes)
+        if best is None or (r.measured_peak is not None and (r.meas_xflops or 0) < (best.meas_xflops or 0)):
+            at[r.budget_bytes] = r
     head = ["peer", "peer MiB", "peer xFLOP G", "peer time/base", "peer grads", "checkmate MiB",
             "checkmate xFLOP G", "checkmate time/keep", "checkmate grads", "verdict"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
