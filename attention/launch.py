@@ -134,7 +134,11 @@ def _autotune_enabled() -> bool:
 def _bound(fn, namespace: dict):
     """`fn` with its global names looked up in `namespace` (same code, so Triton reads the same
     source; the interpreter may add names to the namespace, which is this mode's own dict)."""
-    return types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    bound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    # the parameters' annotations say which are tl.constexpr: Triton 3.6 reads them from here
+    bound.__annotations__ = dict(fn.__annotations__)
+    bound.__qualname__, bound.__module__, bound.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return bound
 
 
 @functools.cache

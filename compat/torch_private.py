@@ -25,6 +25,7 @@ Entry points (what each is for):
 * `compiled_submodules(model)`: which modules torch.compile wrapped (`torch.compile(m)`, `m.compile()`);
 * `inductor_compile(fn, inputs, is_backward)`: Inductor's compiler for one already-partitioned
   forward or backward graph (what torch.compile runs after its own partitioner);
+* `clear_cublas_workspaces()`: release cuBLAS's per-(handle, stream) workspaces, to measure them;
 * `fake_tensor_mode()`, `is_fake(t)`: a FakeTensorMode (tensors with shapes, dtypes and devices but no
   data) to trace and plan a step without its memory, and whether a tensor is one of its fakes.
 """
@@ -43,7 +44,7 @@ __all__ = ["TESTED_TORCH", "pytree", "disable_current_modes", "disable_torch_fun
            "autograd_sequence_nr", "autocast_supported_devices", "backward_without_autocast",
            "aot_module_simplified", "default_partition", "extract_fwd_bwd_modules", "aot_raw_forward",
            "is_input_mutation_output", "compile_session", "profiler_events", "compiled_submodules",
-           "inductor_compile", "fake_tensor_mode", "is_fake"]
+           "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake"]
 
 # The torch releases the tests of this module passed on (pyproject pins the same range).
 TESTED_TORCH = ((2, 13),)
@@ -105,9 +106,29 @@ def is_input_mutation_output(desc) -> bool | None:
 @contextmanager
 def compile_session() -> Iterator[None]:
     """Hold `torch.compiler.is_compiling()` true, as torch.compile does for its whole compile
-    session (`torch.compiler._compile_session_context`)."""
-    with torch.compiler._compile_session_context():
+    session (`torch.compiler._compile_session_context`; torch 2.11 has no such context, so its flag
+    `torch.compiler._is_compiling_flag` is held directly)."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
         yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+def clear_cublas_workspaces() -> bool:
+    """Release the cuBLAS/cuBLASLt workspaces PyTorch's caching allocator holds for each (handle,
+    stream) (`torch._C._cuda_clearCublasWorkspaces`); False where this torch has no CUDA."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    clear()
+    return True
 
 
 def profiler_events(prof: torch.profiler.profile) -> list:

@@ -32,6 +32,7 @@ from remat.compat.torch_private import is_input_mutation_output
 from remat.graph_capture.profiling import allocation_bytes
 from remat.graph_capture.profiling import storage_bytes as _storage_bytes
 from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.graph_capture.cuda_library import cuda_library_workspace_bytes
 from remat.graph_capture.workspace import OpProbe, probe_ops, tensors_in
 
 __all__ = ["JointGraphInfo", "build_training_graph", "split_dropout_outputs", "BYTES_WEIGHT"]
@@ -212,8 +213,14 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     devices = {t.device for n in g.nodes if n.op == "placeholder" for t in tensors_in(n.meta.get("val"))}
     allocator = allocator or _allocator_of(devices)
     probed = probe if isinstance(probe, OpProbe) else OpProbe()
+    library_bytes = 0  # CUDA: the math libraries' workspaces the step holds (cuda_library.py)
     if probe is True and len(devices) == 1:
-        probed = probe_ops(gm, next(iter(devices)), allocator=allocator)
+        device = next(iter(devices))
+        probed = probe_ops(gm, device, allocator=allocator)
+        if device.type == "cuda":
+            dtypes = {t.dtype for n in g.nodes if n.op in ("placeholder", "call_function")
+                      for t in tensors_in(n.meta.get("val")) if t.dtype.is_floating_point}
+            library_bytes = cuda_library_workspace_bytes(device, tuple(sorted(dtypes | {torch.float32}, key=str)))
     traced_resident = 0  # the resident bytes as traced (unrounded), for the fingerprint
 
     position = {n: i for i, n in enumerate(g.nodes)}
@@ -327,6 +334,9 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     if traced:
         meta["traced_bytes"] = traced
     tangents = _tangents(g, group_of, set(resident_aliases), allocator)
+    if library_bytes:
+        resident_bytes += library_bytes
+        meta["library_workspace_bytes"] = library_bytes
     if allocator != "cpu":
         meta["allocator"] = allocator
         if traced_resident != resident_bytes:  # the fingerprint hashes the traced bytes

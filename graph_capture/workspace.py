@@ -21,6 +21,7 @@ after it, so the probe holds one op's tensors at a time.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -42,14 +43,17 @@ __all__ = ["OpProbe", "Case", "probe_ops", "tensors_in", "run_cases", "real_args
 
 
 def _real(v, device: torch.device):
-    """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device`: random
-    floats, integers 0 (a valid index for every gather/embedding/loss target), bools True. Built on
-    a flat storage and viewed with `v`'s strides, so an expanded value (stride 0, whose elements
+    """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device` (on the CPU
+    where `v` is): random floats, integers 0 (a valid index for every gather/embedding/loss target),
+    bools True. Built on a flat storage and viewed with `v`'s strides, so an expanded value (stride 0, whose elements
     share memory and cannot be filled through the view) is made too."""
     if isinstance(v, torch.Tensor):
         shape, stride, offset = tuple(v.shape), tuple(v.stride()), int(v.storage_offset())
         size = 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
-        flat = torch.empty(size, dtype=v.dtype, device=device)
+        # a CPU value of a GPU step stays on the CPU: CUDA attention kernels read their RNG seed
+        # and offset from host tensors, and a device pointer read on the host crashes the process
+        on = v.device if v.device.type == "cpu" else device
+        flat = torch.empty(size, dtype=v.dtype, device=on)
         if v.dtype.is_floating_point or v.dtype.is_complex:
             flat.normal_(0, 0.1)
         elif v.dtype == torch.bool:
@@ -219,13 +223,41 @@ def _run_cases(cases: list[Case], device: torch.device, allocator: str, progress
 
 
 def real_args(n: fx.Node, device: torch.device) -> Callable[[], tuple[tuple, dict]]:
-    """A function making real (random) arguments of `n`'s traced shapes on `device`."""
+    """A function making real (random) arguments of `n`'s traced shapes on `device`. On CUDA, the
+    integer tensors `n` takes from another op's outputs (an attention backward's RNG seed and
+    offset) are that op's real outputs, run on made-up arguments: made-up ones can crash a kernel."""
     def make():
-        args = fx.node.map_arg(n.args, lambda a: _real(a.meta.get("val"), device))
-        kwargs = fx.node.map_arg(n.kwargs, lambda a: _real(a.meta.get("val"), device))
-        return args, kwargs
+        produced = _integer_outputs_of_producers(n, device) if device.type == "cuda" else {}
+
+        def value(a: fx.Node):
+            return produced[a] if a in produced else _real(a.meta.get("val"), device)
+
+        return fx.node.map_arg(n.args, value), fx.node.map_arg(n.kwargs, value)
 
     return make
+
+
+def _integer_outputs_of_producers(n: fx.Node, device: torch.device) -> dict[fx.Node, torch.Tensor]:
+    """The integer-tensor arguments of `n` that are outputs of another ATen op (`getitem(op, i)`),
+    computed by running that op once on made-up arguments."""
+    produced: dict[fx.Node, torch.Tensor] = {}
+    outputs: dict[fx.Node, object] = {}
+    for a in n.all_input_nodes:
+        v = a.meta.get("val")
+        if not (isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and not v.dtype.is_complex
+                and v.dtype != torch.bool and a.target is operator.getitem):
+            continue
+        src = a.args[0]
+        if not (isinstance(src, fx.Node) and isinstance(src.target, torch._ops.OpOverload)):
+            continue
+        if src not in outputs:
+            sargs = fx.node.map_arg(src.args, lambda b: _real(b.meta.get("val"), device))
+            skwargs = fx.node.map_arg(src.kwargs, lambda b: _real(b.meta.get("val"), device))
+            outputs[src] = src.target(*sargs, **skwargs)
+        out = outputs[src][a.args[1]]
+        if isinstance(out, torch.Tensor):
+            produced[a] = out
+    return produced
 
 
 def _probe(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, allocator: str) -> OpProbe:

@@ -15,12 +15,29 @@ from remat.graph_capture.profiling import distinct_storage_bytes, memory_peak, q
 __all__ = ["measure_peak", "resident_bytes", "count_flops", "quiet_profile"]
 
 
-def resident_bytes(things: Iterable) -> int:
-    """Bytes of the distinct storages of the given tensors and modules' parameters and buffers."""
+def _tensors_of(things: Iterable) -> list[torch.Tensor]:
+    """The given tensors and the given modules' parameters and buffers."""
     tensors = []
     for x in things:
         tensors += list(x.parameters()) + list(x.buffers()) if isinstance(x, nn.Module) else [x]
-    return distinct_storage_bytes(t for t in tensors if isinstance(t, torch.Tensor))
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def resident_bytes(things: Iterable) -> int:
+    """Bytes of the distinct storages of the given tensors and modules' parameters and buffers."""
+    return distinct_storage_bytes(_tensors_of(things))
+
+
+def _work_device(resident: list) -> torch.device | None:
+    """Where the step's work is: the GPU any resident tensor is on; with no resident tensors, the
+    current GPU if CUDA holds memory in this process (the work was put there); else None (CPU)."""
+    tensors = _tensors_of(resident)
+    for t in tensors:
+        if t.device.type == "cuda":
+            return t.device
+    if not tensors and torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_allocated():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str | torch.device | None = None) -> int:
@@ -30,8 +47,12 @@ def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str 
     on the device counts by itself). CPU: the bytes of `resident` (modules and tensors live before
     the call, e.g. the model and its inputs) plus the highest running sum of the profiler's
     allocation and free events during the call, i.e. live tensor bytes the way an allocator
-    without caching would count them."""
-    device = torch.device(device) if device is not None else None
+    without caching would count them.
+
+    `device` None: measured where the work is, CUDA when any of `resident` is on a GPU (or, with
+    nothing resident given, when CUDA holds memory in this process), else CPU."""
+    resident = list(resident)
+    device = torch.device(device) if device is not None else _work_device(resident)
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
