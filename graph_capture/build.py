@@ -213,14 +213,16 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     devices = {t.device for n in g.nodes if n.op == "placeholder" for t in tensors_in(n.meta.get("val"))}
     allocator = allocator or _allocator_of(devices)
     probed = probe if isinstance(probe, OpProbe) else OpProbe()
-    library_bytes = 0  # CUDA: the math libraries' workspaces the step holds (cuda_library.py)
     if probe is True and len(devices) == 1:
-        device = next(iter(devices))
-        probed = probe_ops(gm, device, allocator=allocator)
-        if device.type == "cuda":
-            dtypes = {t.dtype for n in g.nodes if n.op in ("placeholder", "call_function")
-                      for t in tensors_in(n.meta.get("val")) if t.dtype.is_floating_point}
-            library_bytes = cuda_library_workspace_bytes(device, tuple(sorted(dtypes | {torch.float32}, key=str)))
+        probed = probe_ops(gm, next(iter(devices)), allocator=allocator)
+    # a plan for a GPU, made where one is (a real capture, or planning on fake tensors traced on
+    # the CPU): the math libraries' workspaces the step will hold (cuda_library.py)
+    library_bytes = 0
+    if allocator == "cuda" and probe is not False and torch.cuda.is_available():
+        on = next((d for d in devices if d.type == "cuda"), torch.device("cuda", torch.cuda.current_device()))
+        dtypes = {t.dtype for n in g.nodes if n.op in ("placeholder", "call_function")
+                  for t in tensors_in(n.meta.get("val")) if t.dtype.is_floating_point}
+        library_bytes = cuda_library_workspace_bytes(on, tuple(sorted(dtypes | {torch.float32}, key=str)))
     traced_resident = 0  # the resident bytes as traced (unrounded), for the fingerprint
 
     position = {n: i for i, n in enumerate(g.nodes)}
