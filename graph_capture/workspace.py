@@ -45,13 +45,12 @@ __all__ = ["OpProbe", "Case", "probe_ops", "tensors_in", "run_cases", "real_args
 def _real(v, device: torch.device):
     """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device` (on the CPU
     where `v` is): random floats, integers 0 (a valid index for every gather/embedding/loss target),
-    bools True. Built on a flat storage and viewed with `v`'s strides, so an expanded value (stride 0, whose elements
-    share memory and cannot be filled through the view) is made too."""
+    bools True. Built on a flat storage and viewed with `v`'s strides, so an expanded value (stride
+    0, whose elements share memory and cannot be filled through the view) is made too."""
     if isinstance(v, torch.Tensor):
         shape, stride, offset = tuple(v.shape), tuple(v.stride()), int(v.storage_offset())
         size = 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
-        # a CPU value of a GPU step stays on the CPU: CUDA attention kernels read their RNG seed
-        # and offset from host tensors, and a device pointer read on the host crashes the process
+        # a value the trace put on the CPU (a scalar beside a GPU step) stays on the CPU
         on = v.device if v.device.type == "cpu" else device
         flat = torch.empty(size, dtype=v.dtype, device=on)
         if v.dtype.is_floating_point or v.dtype.is_complex:
