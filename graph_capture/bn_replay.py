@@ -53,6 +53,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from remat.graph_capture.light_ops import light_op
+
 __all__ = ["make_batch_norm_recomputable", "batch_norm", "batch_norm_stats", "is_recomputable_batch_norm",
            "recomputation_args", "BatchNormOrderError", "BATCH_NORM_OP", "BATCH_NORM_STATS_OP"]
 
@@ -67,7 +69,8 @@ class BatchNormOrderError(RuntimeError):
     output (ops ran out of the graph's order, or a compiler passed a copy)."""
 
 
-@torch.library.custom_op("remat::batch_norm", mutates_args=())
+@light_op("batch_norm", "(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean, Tensor? running_var, "
+                        "float momentum, float eps, bool recompute, ScalarType stats_dtype) -> Tensor")
 def batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, momentum: float, eps: float,
                recompute: bool, stats_dtype: torch.dtype) -> torch.Tensor:
@@ -103,7 +106,7 @@ def recomputation_args(args: tuple) -> tuple:
     return (x, w, b, None, None, momentum, eps, True, stats_dtype)
 
 
-@torch.library.custom_op("remat::batch_norm_stats", mutates_args=())
+@light_op("batch_norm_stats", "(Tensor out, Tensor running_mean, Tensor running_var) -> (Tensor, Tensor, Tensor, Tensor)")
 def batch_norm_stats(out: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(save_mean, save_invstd, new running_mean, new running_var) of the first computation of

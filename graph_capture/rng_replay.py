@@ -35,6 +35,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from remat.graph_capture.light_ops import light_op
+
 __all__ = ["make_dropout_replayable", "rng_state", "dropout", "CPU_STATE_BYTES", "is_replayable_dropout",
            "probe_callable", "step_device_type", "RngOrderError", "RNG_STATE_OP"]
 
@@ -49,7 +51,7 @@ class RngOrderError(RuntimeError):
     (random ops ran out of the graph's order)."""
 
 
-@torch.library.custom_op("remat::rng_state", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+@light_op("rng_state", "(Tensor like) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 def rng_state(like: torch.Tensor) -> torch.Tensor:
     """The state of the CPU generator (`like` orders it after the value the dropout reads)."""
     state = torch.get_rng_state()
@@ -62,7 +64,7 @@ def _(like):
     return torch.empty(CPU_STATE_BYTES, dtype=torch.uint8, device="cpu")
 
 
-@torch.library.custom_op("remat::dropout", mutates_args=())
+@light_op("dropout", "(Tensor state, Tensor x, float p, bool replay) -> (Tensor, Tensor)")
 def dropout(state: torch.Tensor, x: torch.Tensor, p: float, replay: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """native_dropout(x, p, train=True)'s mask: drawn from the global generator (replay=False, the
     first computation), or replayed from `state`, leaving the global generator untouched. Its
