@@ -266,82 +266,6 @@ PIPELINE_VARIANTS = [  # (label, GPTConfig.attention, fused_attention)
 ]
 
 
-def memory_breakdown(step, top: int = 25) -> dict:
-    """What is live at the peak of one call of `step()` (CUDA allocator history): the allocations
-    made during the call that are live at its peak, largest first, each with the Python frames that
-    made it; and what the call leaves allocated. For telling apart what the plan's memory model
-    misses (library workspaces, kernels' scratch memory)."""
-    import torch
-
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=1_000_000)
-    try:
-        step()
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    after = torch.cuda.memory_allocated()
-    stats = torch.cuda.memory_stats()
-    live, total, peak, at_peak = {}, 0, 0, {}
-    for ev in snap["device_traces"][torch.cuda.current_device()]:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = ev
-            total += ev["size"]
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
-            total -= live.pop(ev["addr"])["size"]
-        if total > peak:
-            peak, at_peak = total, dict(live)
-
-    def where(ev):
-        frames = [f for f in ev.get("frames", []) if "/torch/" not in f["filename"] or "eval_with_key" in f["filename"]]
-        return [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:4]]
-
-    biggest = sorted(at_peak.values(), key=lambda e: -e["size"])[:top]
-    return {"before_bytes": before, "after_bytes": after, "peak_above_before_bytes": peak,
-            # allocated: the blocks handed out (what max_memory_allocated reports); requested: what
-            # the callers asked for. The difference is rounding and blocks not split (fragmentation)
-            "allocated_peak_bytes": stats.get("allocated_bytes.all.peak"),
-            "requested_peak_bytes": stats.get("requested_bytes.all.peak"),
-            "live_at_peak": [{"size": e["size"], "where": where(e)} for e in biggest],
-            "left_allocated": [{"size": e["size"], "where": where(e)}
-                               for e in sorted(live.values(), key=lambda e: -e["size"])[:top]]}
-
-
-def _diagnose(model, inputs, rep: Report, budget: int) -> dict:
-    """memory_breakdown of the eager model's step, keep_all's and checkmate's at `budget`, after a
-    warm-up of each, and the cuBLAS workspaces cuda_library measures; logged in short, kept whole
-    in the JSON."""
-    import torch
-
-    import remat
-    from remat.graph_capture.cuda_library import cuda_library_workspace_bytes
-
-    out = {}
-    keep = remat.optimize(model, example_inputs=inputs, solver="keep_all", quiet=True)
-    plan = remat.optimize(model, budget_bytes=budget, example_inputs=inputs, quiet=True)
-    for name, module in (("eager", model), ("keep_all", keep), ("checkmate", plan)):
-        def step(module=module):
-            model.zero_grad(set_to_none=True)
-            module(*inputs).backward()
-
-        step()
-        out[name] = memory_breakdown(step)
-        model.zero_grad(set_to_none=True)
-        b = out[name]
-        rep.log(f"  [{name}] peak allocated {b['allocated_peak_bytes'] / 2**20:.2f} MiB, requested "
-                f"{b['requested_peak_bytes'] / 2**20:.2f} MiB" + (f", predicted {module.plan.predicted_peak_bytes / 2**20:.2f} "
-                                                                 "MiB" if module is not model else ""))
-        rep.log(f"  [{name}] before {b['before_bytes'] / 2**20:.2f} MiB, peak above it "
-                f"{b['peak_above_before_bytes'] / 2**20:.2f} MiB, after {b['after_bytes'] / 2**20:.2f} MiB; largest live "
-                f"at the peak: " + "; ".join(f"{e['size'] / 2**20:.2f} MiB {e['where'][:1]}" for e in b["live_at_peak"][:6]))
-    out["library_workspace_bytes_now"] = cuda_library_workspace_bytes(inputs[0].device, (torch.float32,))
-    rep.log(f"  cuBLAS workspaces measured again after the steps: {out['library_workspace_bytes_now'] / 2**20:.2f} MiB")
-    return out
-
-
 def _clean_cuda() -> None:
     """Free what earlier modules and plans left (cycles hold CUDA tensors until collected), so the
     allocator holds only what the next step needs: max_memory_allocated counts everything."""
@@ -405,7 +329,7 @@ def _planned_step(model, inputs, strategy: str, budget, fused: str, ref_cpu) -> 
     return row
 
 
-def check_pipeline(rep: Report, deadline: float, fracs=(0.7, 0.5), diagnose: bool = False) -> list[dict]:
+def check_pipeline(rep: Report, deadline: float, fracs=(0.7, 0.5)) -> list[dict]:
     """remat.optimize on the default GPT on CUDA (fp32, dropout on): keep_all, then checkmate at
     `fracs` of keep_all's measured peak (at the smallest feasible budget instead where a fraction is
     below it). Each row: loss and gradients against the unmodified model (allclose rtol 1e-5,
@@ -468,8 +392,6 @@ def check_pipeline(rep: Report, deadline: float, fracs=(0.7, 0.5), diagnose: boo
             rep.log(f"{'':40s} (plan's resident bytes {keep['plan_resident_bytes'] / 2**20:.2f} MiB, of which cuBLAS "
                     f"workspaces {keep['library_workspace_bytes'] / 2**20:.2f} MiB; allocated before keep_all's step "
                     f"{keep['allocated_before_bytes'] / 2**20:.2f} MiB)")
-            if diagnose and attention == "explicit" and fused == "exact":
-                rows[-1]["memory_breakdown"] = _diagnose(model, inputs, rep, results[-1][1]["budget_bytes"])
             del model, inputs
         except Exception as exc:
             rows.append({"variant": label, "pass": False, "error": f"{type(exc).__name__}: {exc}",
