@@ -10,11 +10,22 @@
 from __future__ import annotations
 
 import heapq
+import os
 import random
 
 from remat.graph_capture.training_graph import Node, TrainingGraph
 
 __all__ = ["training_chain", "transformer_like", "random_dag", "with_backward", "brute_force", "random_schedule"]
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's `-n auto`), the workers share the machine's cores: each gets
+    its share as torch threads, rather than every worker starting one thread per core."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // int(workers)))
 
 
 def training_chain(n: int, seed: int = 0, *, max_bytes: int = 20, max_cost: int = 9,
