@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
+from tests.fuzz_check import optimize_and_compare
 
 KINDS = ["plain", "residual", "depthwise", "concat", "down_up", "squeeze_excite"]
 ACTS = {"relu_inplace": lambda x: F.relu(x, inplace=True), "relu": F.relu, "silu": F.silu,
@@ -101,16 +102,6 @@ def _case(seed: int) -> dict:
                 train=rng.random() < 6 / 7, batch=rng.choice([2, 4]), frac=rng.uniform(0.4, 1.2))
 
 
-def _step(model: nn.Module, run, seed: int) -> tuple[torch.Tensor, list, list[torch.Tensor]]:
-    """Loss, gradients and buffers after one step from the model's current buffers."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = run()
-    loss.backward()
-    return (loss.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-            [b.clone() for b in model.buffers()])
-
-
 # every strategy on 4 nets of its own (checkmate on 8): 32 nets, each drawn from its seed
 CASES = [(solver, seed) for seed, solver in enumerate(STRATEGIES * 4)]
 
@@ -122,41 +113,8 @@ def test_random_conv_nets_and_budgets(solver, seed):
     model = FuzzConvNet(case["width"], case["blocks"], case["head"]).train(case["train"])
     x = torch.randn(case["batch"], 3, 8, 8)
     y = torch.randint(0, 5, (case["batch"],))
-    eager_peak = remat.measure_peak(lambda: model(x, y).backward(), resident=[model, x, y])
-    budget = max(1, int(case["frac"] * eager_peak))
-    start = [b.clone() for b in model.buffers()]
     try:
-        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), solver=solver, time_limit_s=20,
-                             quiet=True)
-    except remat.InfeasibleBudgetError as e:
-        # a refusal names a smallest feasible budget above the one asked for, and that budget is accepted
-        assert e.min_feasible_bytes > budget
-        budget = e.min_feasible_bytes
-        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), solver=solver, time_limit_s=20,
-                             quiet=True)
+        optimize_and_compare(model, (x, y), case["frac"], solver, seed, described=f"net {case}")
     except remat.NotAChainError:
         # revolve is for chains only; a residual, concat or gated block makes the graph branch
         assert solver == "revolve" and any(b["kind"] not in ("plain", "depthwise") for b in case["blocks"])
-        return
-    assert opt.plan.predicted_peak_bytes <= budget
-
-    def reset():
-        for b, s in zip(model.buffers(), start):
-            b.copy_(s)
-
-    reset()
-    ref_loss, ref_grads, ref_buffers = _step(model, lambda: model(x, y), seed=seed + 1)
-    reset()
-    loss, grads, buffers = _step(model, lambda: opt(x, y), seed=seed + 1)
-    described = f"net {case}"
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{described}: loss {m}")
-    for g, r in zip(grads, ref_grads):
-        assert (g is None) == (r is None), described
-        if g is not None:
-            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{described}: gradient {m}")
-    for b, r in zip(buffers, ref_buffers):  # BatchNorm's running statistics and its step counter
-        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{described}: buffer {m}")
-    model.zero_grad(set_to_none=True)
-    peak = remat.measure_peak(lambda: opt(x, y).backward(), resident=[model, x, y])
-    assert peak == opt.plan.predicted_peak_bytes, described  # the simulator is exact on CPU
-    assert peak <= budget, described
