@@ -168,8 +168,11 @@ def inductor_compile(fn: Callable, inputs: list, is_backward: bool) -> Callable[
              if getattr(getattr(op, "overloadpacket", None), "__name__", None) not in _KEEP_WHOLE}
     decomposed = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*inputs)
     # fused kernels of up to PLAN_FUSION_SIZE nodes: Inductor's default (64) fuses nodes far apart
-    # in the plan's order into one kernel, which keeps their buffers alive from the first to the last
-    with inductor_config.patch(fallback_random=True, max_fusion_size=PLAN_FUSION_SIZE):
+    # in the plan's order into one kernel, which keeps their buffers alive from the first to the last.
+    # No layout optimisation: converting convolutions' tensors to channels-last adds copies the plan
+    # did not count (benchmarks/compile_budget.py: the U-Net's compiled step at 70% peaked 16% over
+    # its budget with it, 4% without)
+    with inductor_config.patch(fallback_random=True, max_fusion_size=PLAN_FUSION_SIZE, layout_optimization=False):
         return compile_fx_inner(decomposed, list(inputs), is_backward=is_backward)
 
 

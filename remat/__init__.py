@@ -13,6 +13,7 @@ from remat.graph_capture.autocast_state import AutocastMismatchError
 from remat.graph_capture.joint import ParameterMismatchError
 from remat.graph_capture.outputs import OutputError
 from remat.measure import count_flops, measure_peak, resident_bytes
+from remat.runtime.compile import CompiledPeakWarning
 from remat.runtime.module import ModeMismatchError, OutsideBudgetWarning
 from remat.plan_file import load_plan
 from remat.planning import plan
@@ -27,4 +28,5 @@ __all__ = ["optimize", "plan", "capture", "solve", "measure_peak", "count_flops"
            # the errors and warnings remat documents (README: "What remat refuses")
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "ModeMismatchError", "OutsideBudgetWarning", "SolverFallbackWarning", "NotAChainError"]
+           "ModeMismatchError", "OutsideBudgetWarning", "CompiledPeakWarning", "SolverFallbackWarning",
+           "NotAChainError"]

@@ -174,7 +174,8 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     `solve_on_rank` (torch.distributed initialised, every rank calling): that rank solves and
     broadcasts its plan, the others deploy it (README: Beyond one device). A model torch.compile
     wrapped (`torch.compile(model)`, `.compile()`d submodules) is traced as the eager model and
-    the plan's forward and backward graphs are compiled by Inductor as they are.
+    the plan's forward and backward graphs are compiled by Inductor as they are (CompiledPeakWarning:
+    a compiled step's peak is Inductor's, measured, not predicted, and can exceed the budget).
     Tracing, probing and solving show progress on stderr when they take more than a couple of
     seconds; `quiet=True` silences it. `cost_model` ("flops" or "measured") is what the solver
     minimises, as in `capture`."""

@@ -23,16 +23,24 @@ simulated to the byte (README, "Beyond one device"). Random ops run as ATen fall
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 
+import torch
 import torch.fx as fx
 
 from remat.compat.torch_private import inductor_compile
 from remat.graph_capture.joint import _compile_identity
 
-__all__ = ["PlannedGraphs", "GraphRunner", "RECOMPUTED"]
+__all__ = ["PlannedGraphs", "GraphRunner", "RECOMPUTED", "CompiledPeakWarning"]
 
 RECOMPUTED = "remat_recomputed"  # node.meta key the runtime sets on recomputations in the backward
+
+
+class CompiledPeakWarning(UserWarning):
+    """The plan's graphs run as Inductor compiled them: the step's peak is Inductor's, not the
+    plan's prediction, and can exceed the budget (`python benchmarks/compile_budget.py` measures by
+    how much)."""
 
 
 class GraphRunner:
@@ -47,6 +55,13 @@ class GraphRunner:
         self.gm = gm
         self._eager = _compile_identity(gm, None)  # the fx code, boxed
         self.is_backward = is_backward
+        # remat::batch_norm hands its statistics to remat::batch_norm_stats on its output tensor;
+        # Inductor can pass a copy of that tensor instead (seen on MobileNet: a fused kernel wrote
+        # one), which batch_norm_stats refuses (BatchNormOrderError) mid-step. Such a graph keeps
+        # its fx code under torch.compile, and says so once.
+        self.keeps_fx_code = any(n.op == "call_function" and n.target is torch.ops.remat.batch_norm_stats.default
+                                 for n in gm.graph.nodes)
+        self._said_fx = False
         self.inductor = False
         self.compiled: Callable | None = None
         self._lock = threading.Lock()
@@ -58,6 +73,15 @@ class GraphRunner:
 
     def __call__(self, args: list):
         if not self.inductor:
+            return self._eager(args)
+        if self.keeps_fx_code:
+            if not self._said_fx:
+                self._said_fx = True
+                which = "backward" if self.is_backward else "forward"
+                warnings.warn(f"remat: under torch.compile the plan's {which} graph runs its fx code, not Inductor's: "
+                              "it computes BatchNorm so that it can be recomputed (remat::batch_norm hands its "
+                              "statistics to remat::batch_norm_stats on its output tensor, and Inductor may pass a "
+                              "copy of that tensor)", stacklevel=2)
             return self._eager(args)
         if self.compiled is None:
             with self._lock:
@@ -93,7 +117,15 @@ class PlannedGraphs:
         return self._forward_compiler, self._backward_compiler
 
     def use_inductor(self) -> None:
-        """Compile both graphs with Inductor at their next call (once; later calls reuse them)."""
+        """Compile both graphs with Inductor at their next call (once; later calls reuse them). The
+        first switch warns (CompiledPeakWarning): the budget was planned for the fx code."""
+        if not self.inductor:
+            warnings.warn(CompiledPeakWarning(
+                "remat: torch.compile runs this plan's forward and backward through Inductor, whose code decides "
+                "when buffers are freed and which temporaries exist: the step's peak is not the plan's predicted "
+                "peak and can exceed the budget (benchmarks/compile_budget.py measures by how much). Leave that "
+                "headroom in the budget, or run the remat module without torch.compile for a peak predicted to "
+                "the byte."), stacklevel=3)
         self.inductor = True
         for r in (self.forward, self.backward):
             if r is not None:
