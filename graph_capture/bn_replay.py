@@ -35,9 +35,10 @@ both; a recomputation frees its statistics on return and never touches the model
 Pairing: the statistics travel on the very `out` tensor their op must read, so the stats op can
 never take another BatchNorm's statistics; an `out` that carries none (a recomputation's, or a
 tensor a compiler copied) raises BatchNormOrderError, as does a second take. A tensor never taken
-from (a probe's) frees its statistics with itself. Under Inductor (runtime/compile.py) both ops run
-as fallback kernels on the same buffer object, and pairing holds (checked by hand, not in the
-suite: compiling takes a minute). The memory model assumes the stats node runs right after its
+from (a probe's) frees its statistics with itself. Under Inductor both ops run as fallback kernels,
+but Inductor may hand the stats op a copy of `out` (on MobileNet a fused kernel wrote one for a
+channels-last conversion): a graph holding the stats op keeps its fx code under torch.compile
+(runtime/compile.py, tests/test_compile_compat.py). The memory model assumes the stats node runs right after its
 output's first computation, as every schedule does that the graph's order and the solvers made
 in tests/test_bn_replay.py (a schedule putting steps between them would hold the statistics
 earlier than simulated: a few hundred bytes, which the measured peak would show).

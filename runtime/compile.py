@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from remat.compat.torch_private import inductor_compile
+from remat.graph_capture import bn_replay  # noqa: F401  (registers remat::batch_norm_stats, looked up below)
 from remat.graph_capture.joint import _compile_identity
 
 __all__ = ["PlannedGraphs", "GraphRunner", "RECOMPUTED", "CompiledPeakWarning"]
