@@ -8,7 +8,10 @@ On an H200 with torch 2.11 each thread holds a 32 MiB cuBLAS and a 1 MiB cuBLASL
 as a small model's activations (benchmarks/results/gpu_check_h200.txt). The graph shows none of
 it, so a plan made on a GPU adds it to its resident bytes (graph_capture/build.py), measured here:
 the workspaces are released, matmuls on the plain and the Lt path run on this thread, and what the
-allocator then holds is one thread's share; the step's is twice that.
+allocator then holds is one thread's share; the step's is twice that. Releasing them releases every
+thread's (PyTorch keeps one map for the process), so in the first step after a capture the autograd
+thread allocates its workspace again at its first backward matmul: that step can peak below the
+plan, never above it; from the second step on both are held throughout, as the plan counts them.
 """
 from __future__ import annotations
 
