@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from remat.compat.torch_private import compiled_submodules, default_partition
+from remat.compiled_fit import fit_compiled
 from remat.graph_capture import progress
 from remat.graph_capture.build import JointGraphInfo, build_training_graph
 from remat.graph_capture.rewrites import prepare_joint_graph
@@ -19,7 +20,7 @@ from remat.graph_capture.joint import PartitionFailed, TraceError, trace_trainin
 from remat.graph_capture.op_timing import measured_cost_graph
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.plan_file import check_context, load_plan, plan_context, rejudge
-from remat.runtime.compile import PlannedGraphs
+from remat.runtime.compile import CompiledPeakWarning, PlannedGraphs
 from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import OutsideBudgetWarning, RematModule
 from remat.runtime.partition import partition_with_plan
@@ -149,7 +150,7 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
              solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | str | os.PathLike | None = None,
              fused_attention: bool | str = True, solve_on_rank: int | None = None, quiet: bool = False,
-             cost_model: str = "flops", **solver_kwargs) -> RematModule:
+             cost_model: str = "flops", compiled: bool = False, **solver_kwargs) -> RematModule:
     """Return a drop-in module whose training step peaks under the budget.
 
     The budget is the real peak of one training step, forward and backward: parameters,
@@ -178,11 +179,26 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     a compiled step's peak is Inductor's, measured, not predicted, and can exceed the budget).
     Tracing, probing and solving show progress on stderr when they take more than a couple of
     seconds; `quiet=True` silences it. `cost_model` ("flops" or "measured") is what the solver
-    minimises, as in `capture`."""
+    minimises, as in `capture`.
+    `compiled=True`: the plan's graphs run Inductor's code (as under torch.compile), and the
+    compiled step's peak is measured on the example inputs; where it exceeds the budget, remat
+    plans again at a budget lowered by the excess (remat/compiled_fit.py; the model's gradients,
+    buffers and random state are left as they were), so the returned module's compiled step fits
+    the budget on these inputs (`module.compiled_fit` lists each round's plan budget and measured
+    peak), or InfeasibleBudgetError says what each round measured."""
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
-                        plan, fused_attention, solver_kwargs, cost_model)  # before any tracing or solving
+                        plan, fused_attention, solver_kwargs, cost_model, compiled, solve_on_rank)
     budget = _budget(budget_gb, budget_bytes)  # None: solver="keep_all" with no budget (checked above)
     args = _as_tuple(example_inputs)
+    if compiled:  # plan, compile, measure; plan again lower while the compiled step exceeds the budget
+        def build(b: int) -> RematModule:
+            with warnings.catch_warnings():  # a compiled model's plan: its peak is measured next
+                warnings.simplefilter("ignore", CompiledPeakWarning)
+                return optimize(model, budget_bytes=b, example_inputs=args, example_kwargs=example_kwargs,
+                                solver=solver, time_limit_s=time_limit_s, fused_attention=fused_attention,
+                                quiet=quiet, cost_model=cost_model, **solver_kwargs)
+
+        return fit_compiled(build, budget, model, args, example_kwargs or {})
     if plan is not None and not isinstance(plan, Plan):  # the path of a saved plan
         plan = load_plan(plan)
     if plan is not None:  # made for another model, shape, device or mode: refused before tracing

@@ -174,7 +174,8 @@ def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", t
 
 def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_inputs: Any, example_kwargs: Any,
                         solver: Any, time_limit_s: Any, plan: Any, fused_attention: Any,
-                        solver_kwargs: dict | None = None, cost_model: Any = "flops") -> None:
+                        solver_kwargs: dict | None = None, cost_model: Any = "flops", compiled: Any = False,
+                        solve_on_rank: Any = None) -> None:
     """The arguments of `remat.optimize`."""
     from remat.solver.plan import Plan
 
@@ -186,3 +187,16 @@ def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_i
         raise RematArgumentError("give budget_gb or budget_bytes (or a saved plan=, or solver='keep_all')")
     _solver(solver, solver_kwargs or {})
     _time_limit(time_limit_s)
+    if not isinstance(compiled, bool):
+        raise RematArgumentTypeError(f"compiled must be True or False, got {_kind(compiled)}")
+    if compiled and budget is None:
+        raise RematArgumentError("compiled=True plans again under the budget while the compiled step exceeds it: "
+                                 "give budget_gb or budget_bytes")
+    if compiled and plan is not None:
+        raise RematArgumentError("compiled=True re-plans until the compiled step fits, which a saved plan cannot: "
+                                 "deploy a saved plan (e.g. the plan of a module optimized with compiled=True) with "
+                                 "torch.compile(remat.optimize(model, plan=...)) instead")
+    if compiled and solve_on_rank is not None:
+        raise RematArgumentError("compiled=True measures and re-plans on each rank, which solve_on_rank cannot "
+                                 "keep identical: optimize with compiled=True on one rank, save the plan, and "
+                                 "deploy it on every rank")

@@ -41,7 +41,7 @@ RECOMPUTED = "remat_recomputed"  # node.meta key the runtime sets on recomputati
 class CompiledPeakWarning(UserWarning):
     """The plan's graphs run as Inductor compiled them: the step's peak is Inductor's, not the
     plan's prediction, and can exceed the budget (`python benchmarks/compile_budget.py` measures by
-    how much)."""
+    how much). `remat.optimize(..., compiled=True)` measures it instead (remat/compiled_fit.py)."""
 
 
 class GraphRunner:
@@ -124,9 +124,10 @@ class PlannedGraphs:
             warnings.warn(CompiledPeakWarning(
                 "remat: torch.compile runs this plan's forward and backward through Inductor, whose code decides "
                 "when buffers are freed and which temporaries exist: the step's peak is not the plan's predicted "
-                "peak and can exceed the budget (benchmarks/compile_budget.py measures by how much). Leave that "
-                "headroom in the budget, or run the remat module without torch.compile for a peak predicted to "
-                "the byte."), stacklevel=3)
+                "peak and can exceed the budget (benchmarks/compile_budget.py measures by how much). Pass "
+                "compiled=True to remat.optimize (it measures the compiled step and plans again until it fits), "
+                "leave that headroom in the budget, or run the remat module without torch.compile for a peak "
+                "predicted to the byte."), stacklevel=3)
         self.inductor = True
         for r in (self.forward, self.backward):
             if r is not None:
