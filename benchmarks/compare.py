@@ -36,8 +36,13 @@ machine, graph_capture/op_timing.py; the notes give both models' largest and mea
 solve time, MIP
 gap, and whether loss and gradients equal the unmodified model's (dropout on, the same seed before
 each step; "exact" bit for bit, "ok" allclose(rtol=1e-5, atol=1e-6), else "DIFF" with the largest
-error). Whether compiled dropout reproduces eager's masks is inductor's business
-(torch._inductor.config.fallback_random); the notes say what was observed.
+error). Inductor draws dropout masks from its own generator (torch._inductor.config.fallback_random
+False, the default), so a compile row's gradients differ from eager's wherever dropout is on; each
+compile row is therefore also checked compiled again with fallback_random=True (eager's generator,
+the same masks): "same masks" in the peer table, which tells a different random stream from a
+wrong gradient (a mask recomputed in the backward differently from the forward's).
+benchmarks/amb_dropout_grads.py checks the default configuration (Inductor's generator) the other
+way: each budget's gradients against budget 1.0's at the same seed.
 
 Checkmate is also solved at each peer's measured peak (`--no-match-peers` skips it), and each .md
 ends with "checkmate against each peer": the two at the same memory, measured extra FLOPs, peak,
@@ -141,6 +146,7 @@ class Row:
     solve_s: float | None = None
     gap: float | None = None
     grads: str = ""
+    grads_same_masks: str = ""  # compile rows: grads compiled with fallback_random=True (eager's masks)
     max_grad_err: float | None = None
     note: str = ""
     schedule_sha: str = ""
@@ -166,12 +172,7 @@ def measure(step, params, resident, ref, seed: int, steps: int, keep_step=None) 
     flops = remat.count_flops(step)
     _fresh(params)
     torch.manual_seed(seed)
-    loss = step().detach()
-    ref_loss, ref_grads = ref
-    pairs = [(loss, ref_loss)] + [(p.grad, g) for p, g in zip(params, ref_grads)]
-    err = max(float((a - b).abs().max()) if a is not None else math.inf for a, b in pairs)
-    ok = all(a is not None and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
-    grads = "exact" if err == 0 else ("ok" if ok else "DIFF")
+    grads, err = grads_verdict(step().detach(), params, ref)
     times = {"cpu": [], "wall": [], "keep": []}
     for _ in range(steps):
         for fn, key in ((keep_step, "keep"), (step, "cpu")):
@@ -188,6 +189,39 @@ def measure(step, params, resident, ref, seed: int, steps: int, keep_step=None) 
     return {"measured_peak": peak, "flops": flops, "grads": grads, "max_grad_err": err, "cpu_s": cpu,
             "wall_s": statistics.median(times["wall"]),
             "time_ratio": cpu / statistics.median(times["keep"]) if times["keep"] else 1.0}
+
+
+def grads_verdict(loss, params, ref) -> tuple[str, float]:
+    """("exact" | "ok" | "DIFF", largest error) of `loss` and the parameters' gradients against
+    `ref` (loss, gradients)."""
+    ref_loss, ref_grads = ref
+    pairs = [(loss, ref_loss)] + [(p.grad, g) for p, g in zip(params, ref_grads)]
+    err = max(float((a - b).abs().max()) if a is not None else math.inf for a, b in pairs)
+    ok = all(a is not None and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
+    return ("exact" if err == 0 else "ok" if ok else "DIFF"), err
+
+
+def same_masks_grads(model: nn.Module, params, inputs, ref, amb: float, backend: str) -> str:
+    """The gradients of one seeded step of `model` compiled at activation_memory_budget `amb` with
+    torch._inductor.config.fallback_random=True (dropout from eager's generator), against `ref`."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    try:
+        with functorch_config.patch(activation_memory_budget=amb), inductor_config.patch(fallback_random=True):
+            compiled = torch.compile(model, backend=backend)
+            _fresh(params)
+            torch.manual_seed(0)
+            loss = compiled(*inputs)
+            loss.backward()
+            verdict, err = grads_verdict(loss.detach(), params, ref)
+    except Exception as e:  # recorded, not fatal
+        return f"error: {type(e).__name__}"
+    finally:
+        _fresh(params)
+        torch._dynamo.reset()
+    return verdict if verdict != "DIFF" else f"DIFF ({err:.1e})"
 
 
 def _sha(plan: Plan) -> str:
@@ -411,6 +445,9 @@ def run_model(name: str, build, desc: str, trunk: str | None, a) -> tuple[list[R
         rows.append(peer_row(f"torch.compile{tag} amb={amb:g}", "torch.compile activation_memory_budget",
                              f"torch.compile{tag} amb=1",
                              lambda amb=amb: functorch_config.patch(activation_memory_budget=amb), compiled_step))
+        if rows[-1].status == "measured":
+            say(f"torch.compile amb={amb:g} again with fallback_random=True: eager's dropout masks")
+            rows[-1].grads_same_masks = same_masks_grads(model, params, inputs, ref, amb, a.compile_backend)
     torch._dynamo.reset()
 
     # ---- checkmate at each peer's measured peak
@@ -442,10 +479,13 @@ def run_model(name: str, build, desc: str, trunk: str | None, a) -> tuple[list[R
     compile_rows = [r for r in rows if r.strategy.startswith("torch.compile") and r.grads]
     if compile_rows:
         diff = [r.strategy for r in compile_rows if r.grads == "DIFF"]
+        wrong = [r.strategy for r in compile_rows if r.grads_same_masks.startswith(("DIFF", "error"))]
         notes.append("torch.compile rows: " + (
-            f"gradients differ from eager in {', '.join(diff)}: inductor draws dropout masks from its own "
-            "generator (torch._inductor.config.fallback_random=False, the default)" if diff else
-            "gradients equal eager's") + "; measured on the steps after a warm-up (compiling) step")
+            f"gradients differ from eager in {', '.join(diff)} (Inductor draws dropout masks from its own "
+            "generator: torch._inductor.config.fallback_random=False, the default)" if diff else
+            "gradients equal eager's") + "; compiled again with fallback_random=True (eager's masks): " + (
+            f"gradients still differ (or the check failed) in {', '.join(wrong)}" if wrong else
+            "every row's gradients equal eager's") + "; measured on the steps after a warm-up (compiling) step")
 
     # ---- ratios to each row's own base (keep_all, the eager model, torch.compile at budget 1)
     by_name = {r.strategy: r for r in rows if r.time_ratio}
@@ -569,6 +609,8 @@ def write_results(out: Path, name: str, desc: str, rows: list[Row], notes: list[
     lines += [f"* {n}" for n in notes]
     lines += ["", "## checkmate against each peer, at the peer's measured peak", "",
               *peer_summary(rows)]
+    lines += ["", "## checkmate against the best baseline, at each budget of the sweep", "",
+              *baseline_summary(rows)]
     (out / f"compare_{name}.md").write_text("\n".join(lines) + "\n")
     with open(out / f"compare_{name}.csv", "w", newline="") as f:
         for h in head:
@@ -616,11 +658,37 @@ def peer_summary(rows: list[Row]) -> list[str]:
             verdict = ("beats it" if all(wins) else "ties" if dx == 0 and wins[0] else "does not beat it") + \
                 f": {more}, peak {(c.measured_peak - p.measured_peak) / MiB:+.2f} MiB" + \
                 ("" if c.strategy in ("checkmate", "keep_all") else f" ({c.strategy})")
+            if p.grads_same_masks.startswith("DIFF"):  # benchmarks/amb_dropout_grads.py: Inductor's own RNG too
+                verdict += ("; the peer's gradients are wrong with fallback_random=True (eager's masks in the "
+                            "forward, others in its recomputation)")
         cm = c if c is not None and c.measured_peak is not None else None
         out.append("| " + " | ".join([
-            p.strategy, _mib(p.measured_peak), _g(p.meas_xflops), _r(p.base_ratio), p.grads or "-",
+            p.strategy, _mib(p.measured_peak), _g(p.meas_xflops), _r(p.base_ratio),
+            (p.grads or "-") + (f" (same masks: {p.grads_same_masks})" if p.grads_same_masks else ""),
             _mib(cm.measured_peak) if cm else "-", _g(cm.meas_xflops) if cm else "-",
             _r(cm.time_ratio) if cm else "-", (cm.grads if cm else "-") or "-", verdict]) + " |")
+    return out
+
+
+def baseline_summary(rows: list[Row]) -> list[str]:
+    """Markdown lines: at each budget of the sweep where checkmate has a plan, its measured extra
+    FLOPs and time/keep against the baseline (a remat strategy other than keep_all and checkmate)
+    that recomputes the fewest measured FLOPs there."""
+    head = ["budget MiB", "checkmate xFLOP G", "checkmate time/keep", "best baseline", "its xFLOP G",
+            "its time/keep", "checkmate's FLOPs less by"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    sweep = [r for r in rows if r.family == "remat" and r.budget_bytes is not None and r.measured_peak is not None]
+    for c in (r for r in sweep if r.strategy == "checkmate"):
+        others = [r for r in sweep if r.budget_bytes == c.budget_bytes and r.strategy not in ("checkmate", "keep_all")]
+        if not others:
+            out.append(f"| {_mib(c.budget_bytes)} | {_g(c.meas_xflops)} | {_r(c.time_ratio)} | no baseline fits | "
+                       "- | - | - |")
+            continue
+        b = min(others, key=lambda r: (r.meas_xflops, r.time_ratio or 0))
+        less = (b.meas_xflops - c.meas_xflops) / 1e9
+        out.append(f"| {_mib(c.budget_bytes)} | {_g(c.meas_xflops)} | {_r(c.time_ratio)} | {b.strategy} | "
+                   f"{_g(b.meas_xflops)} | {_r(b.time_ratio)} | {less:.3f} GFLOP"
+                   + (f" ({less * 1e9 / b.meas_xflops:.0%} of its)" if b.meas_xflops else "") + " |")
     return out
 
 

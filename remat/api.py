@@ -182,10 +182,11 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     minimises, as in `capture`.
     `compiled=True`: the plan's graphs run Inductor's code (as under torch.compile), and the
     compiled step's peak is measured on the example inputs; where it exceeds the budget, remat
-    plans again at a budget lowered by the excess (remat/compiled_fit.py; the model's gradients,
-    buffers and random state are left as they were), so the returned module's compiled step fits
-    the budget on these inputs (`module.compiled_fit` lists each round's plan budget and measured
-    peak), or InfeasibleBudgetError says what each round measured."""
+    plans again at a budget lowered by the excess, and higher by the room left where it fits with
+    room to spare while recomputing (remat/compiled_fit.py; the model's gradients, buffers and
+    random state are left as they were), so the returned module's compiled step fits the budget on
+    these inputs, recomputing least of the plans tried (`module.compiled_fit` lists each round's
+    plan budget and measured peak), or InfeasibleBudgetError says what each round measured."""
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
                         plan, fused_attention, solver_kwargs, cost_model, compiled, solve_on_rank)
     budget = _budget(budget_gb, budget_bytes)  # None: solver="keep_all" with no budget (checked above)

@@ -2,15 +2,21 @@
 
 Inductor's code decides when buffers are freed and which temporaries exist, so a plan solved for
 remat's fx code can peak above its budget once compiled (benchmarks/compile_budget.py: up to about
-12% on the U-Net). The simulator does not model Inductor's generated code; instead
+12% on the U-Net), or well below it (Inductor fuses pointwise chains, whose intermediates the plan
+counts). The simulator does not model Inductor's generated code; instead
 `remat.optimize(..., compiled=True)` measures it:
 
   1. plan at budget b (first the user's budget), switch the plan's graphs to Inductor, run one step
      on the example inputs (it compiles), then measure the peak of a second step (`measure_peak`:
      the profiler's memory events on the CPU, `torch.cuda.max_memory_allocated` on CUDA);
-  2. if that peak is within the budget, return the module; else plan again at b minus the excess
-     (the compiled step overshot the plan by about that much, and lowering the plan's budget lowers
-     the activations the compiled step holds), at most MAX_ROUNDS plans in all.
+  2. if that peak exceeds the budget, plan again at b minus the excess (the compiled step overshot
+     the plan by about that much, and lowering the plan's budget lowers the activations the
+     compiled step holds); after a lowering that still overshot, by at least twice that lowering
+     (a plan a little lower can compile to the same peak);
+  3. if it fits, but more than FIT_WITHIN below the budget while the plan recomputes something,
+     plan again at b plus the room left (a higher plan recomputes less), never at or above a
+     plan budget that overshot (then halfway between the highest that fitted and it);
+  4. at most MAX_ROUNDS plans in all; the module returned is the fitting one that recomputes least.
 
 The measured steps leave no trace on the model: gradients, buffers (BatchNorm's running statistics)
 and the random number generators are as they were before. When no plan's compiled step fits (the
@@ -30,9 +36,10 @@ from remat.measure import measure_peak
 from remat.runtime.compile import CompiledPeakWarning
 from remat.solver.plan import InfeasibleBudgetError
 
-__all__ = ["MAX_ROUNDS", "fit_compiled", "measure_compiled_peak"]
+__all__ = ["FIT_WITHIN", "MAX_ROUNDS", "fit_compiled", "measure_compiled_peak"]
 
 MAX_ROUNDS = 4  # plans solved and compiled at most; each costs an Inductor compilation
+FIT_WITHIN = 0.01  # a compiled peak this close below the budget (a fraction of it) ends the search
 MIB = 2 ** 20
 
 
@@ -75,10 +82,13 @@ def measure_compiled_peak(module, model: nn.Module, args: Sequence, kwargs: dict
 
 
 def fit_compiled(build: Callable[[int], object], budget: int, model: nn.Module, args: Sequence, kwargs: dict):
-    """The module `build(b)` plans at the largest b <= `budget` tried whose compiled step's measured
-    peak is within `budget` (see the module docstring). The returned module's `compiled_fit` lists
-    each round as (the plan's budget, the compiled step's measured peak)."""
+    """The module `build(b)` plans, over the plan budgets b tried (see the module docstring), whose
+    compiled step's measured peak is within `budget` and whose plan recomputes least. The returned
+    module's `compiled_fit` lists each round as (the plan's budget, the compiled step's measured peak)."""
     rounds: list[tuple[int, int]] = []
+    best = None  # the fitting module whose plan recomputes least
+    fitted, overshot = None, None  # the highest plan budget that fitted, the lowest that overshot
+    drop = 0  # how far the last overshoot lowered the plan's budget
     b = budget
     for _ in range(MAX_ROUNDS):
         try:
@@ -101,11 +111,26 @@ def fit_compiled(build: Callable[[int], object], budget: int, model: nn.Module, 
             module.planned_graphs.use_inductor()
         peak = measure_compiled_peak(module, model, args, kwargs)
         rounds.append((b, peak))
-        if peak <= budget:
-            module.__dict__["compiled_fit"] = rounds
-            return module
-        b = max(1, b - (peak - budget))  # a budget, however small: the solver says how low plans go
-    raise InfeasibleBudgetError(f"no plan's compiled step fitted {budget / MIB:.2f} MiB in {MAX_ROUNDS} rounds: "
+        if peak > budget:
+            overshot = b if overshot is None else min(overshot, b)
+            if fitted is None:  # below by the excess, or twice the last drop, which did not suffice
+                drop = max(peak - budget, 2 * drop)
+                b = max(1, b - drop)
+            else:  # halfway to the plan that fitted
+                b = (fitted + overshot) // 2
+        else:
+            fitted = b if fitted is None else max(fitted, b)
+            if best is None or module.plan.extra_cost < best.plan.extra_cost:
+                best = module
+            if module.plan.extra_cost == 0 or budget - peak <= FIT_WITHIN * budget:
+                break  # nothing left to recompute less of, or the budget is used
+            b = b + (budget - peak) if overshot is None else min(b + (budget - peak), (fitted + overshot) // 2)
+        if any(b == tried for tried, _ in rounds):
+            break  # the search has closed in on a plan budget already measured
+    if best is not None:
+        best.__dict__["compiled_fit"] = rounds
+        return best
+    raise InfeasibleBudgetError(f"no plan's compiled step fitted {budget / MIB:.2f} MiB in {len(rounds)} rounds: "
                                 f"{_said(rounds)}")
 
 

@@ -5,7 +5,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from remat.compat.torch_private import profiler_events
@@ -66,25 +65,81 @@ def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str 
     return resident_bytes(resident) + memory_peak(profiler_events(prof))
 
 
-class _FlopCounter(TorchDispatchMode):
-    """Sums torch.utils.flop_counter's formulas over every op run (works where FlopCounterMode's
-    module hooks do not, e.g. inside AOTAutograd's compiled functions)."""
+# Where each convolution op keeps (stride, padding, dilation, transposed, output_padding), by argument
+# position (None: the op's fixed value); its output shape is not recorded by the profiler, and
+# torch.utils.flop_counter's formula for a convolution needs it.
+_CONV_ARGS = {
+    "aten::convolution": (3, 4, 5, 6, 7), "aten::_convolution": (3, 4, 5, 6, 7),
+    "aten::convolution_overrideable": (3, 4, 5, 6, 7), "aten::cudnn_convolution": (3, 2, 4, None, None),
+    "aten::_slow_conv2d_forward": (4, 5, None, None, None),
+}
 
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if packet in flop_registry:
-            self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
-        return out
+def _formulas() -> dict[str, tuple[Callable, int]]:
+    """Profiler op name ("aten::mm") -> (torch.utils.flop_counter's formula, its positional arguments)."""
+    out = {}
+    for packet, formula in flop_registry.items():
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            schema = packet.default._schema
+            out[packet._qualified_op_name] = (formula, sum(not a.kwarg_only for a in schema.arguments))
+    return out
+
+
+def _conv_out_shape(name: str, args: list) -> list[int]:
+    """The output shape of convolution op `name` called with `args` (input and weight as shapes)."""
+    x, w = args[0], args[1]
+    at = [None if i is None else args[i] for i in _CONV_ARGS[name]]
+    spatial = len(x) - 2
+    stride, padding, dilation = ([1] * spatial if v is None else list(v) for v in at[:3])
+    transposed, output_padding = bool(at[3]), [0] * spatial if at[4] is None else list(at[4])
+    k = list(w[2:])
+    if transposed:  # weight is (in, out / groups, *k); output channels taken from the formula's view
+        dims = [(x[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (k[i] - 1) + output_padding[i] + 1
+                for i in range(spatial)]
+        return [x[0], w[1], *dims]
+    dims = [(x[2 + i] + 2 * padding[i] - dilation[i] * (k[i] - 1) - 1) // stride[i] + 1 for i in range(spatial)]
+    return [x[0], w[0], *dims]
+
+
+def _event_flops(event, formula: Callable, positional: int) -> int:
+    """FLOPs of one profiled op call, from its recorded input shapes and scalar arguments."""
+    shapes = list(event.input_shapes or [])
+    concrete = list(getattr(event, "concrete_inputs", None) or [])
+    args = []
+    for i in range(positional):
+        c = concrete[i] if i < len(concrete) else None
+        shape = shapes[i] if i < len(shapes) else []
+        args.append(c if c not in (None, "") else (torch.Size(shape) if shape else None))
+    out = None
+    if event.name in _CONV_ARGS:
+        out = torch.Size(_conv_out_shape(event.name, args))
+    elif event.name == "aten::convolution_backward":  # (grad of input, of weight): their shapes
+        out = (args[1], args[2], None)
+    return int(formula(*args, out_val=out))
 
 
 def count_flops(fn: Callable[[], object]) -> int:
-    """Matmul-like FLOPs performed while `fn()` runs, forward and backward."""
-    with _FlopCounter() as c:
+    """Matmul-like FLOPs performed while `fn()` runs, forward and backward: torch.utils.flop_counter's
+    formulas applied to the ops the profiler records with their shapes, the outermost where one such
+    op calls another (aten::convolution calls aten::_convolution).
+
+    The profiler rather than a dispatch mode (FlopCounterMode): under a TorchDispatchMode, Dynamo
+    runs a torch.compile'd model eagerly, and keeps running it eagerly afterwards, so the
+    recomputations its partitioner put in the compiled backward would go uncounted; the profiler
+    records the ops the compiled code calls (Inductor calls matmuls and convolutions as ATen ops).
+    It starts a profiler of its own, so it cannot run inside another profiler's recording."""
+    from torch.profiler import ProfilerActivity
+
+    formulas = _formulas()
+    with quiet_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
-    return c.flops
+    total = 0
+    for event in prof.events():
+        if event.name not in formulas:
+            continue
+        parent, nested = event.cpu_parent, False
+        while parent is not None and not nested:
+            nested, parent = parent.name in formulas, parent.cpu_parent
+        if not nested:
+            total += _event_flops(event, *formulas[event.name])
+    return total
