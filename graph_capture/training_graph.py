@@ -148,6 +148,21 @@ class TrainingGraph:
         h.update(str(self.meta.get("traced_resident_bytes", self.resident_bytes)).encode())
         return h.hexdigest()[:16]
 
+    @cached_property
+    def _structure_hash(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256()
+        for n in self.nodes:
+            h.update(f"{n.name}|{n.op}|{n.inputs}|{n.is_backward}|{n.is_random};".encode())
+        return h.hexdigest()[:16]
+
+    def structure_fingerprint(self) -> str:
+        """A short hash of the nodes, their ops, edges and flags, without any size: two graphs with
+        the same one are the same computation at other sizes (another batch or sequence length),
+        so a schedule of one runs on the other (its peak and cost must be simulated again)."""
+        return self._structure_hash
+
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"name": self.name, "resident_bytes": self.resident_bytes, "meta": self.meta,

@@ -10,11 +10,11 @@ if _os.path.isfile(_os.path.join(_root, "graph_capture", "__init__.py")) and _ro
 
 from remat.api import InfeasibleBudgetError, TraceError, capture, optimize, solve
 from remat.graph_capture.autocast_state import AutocastMismatchError
-from remat.graph_capture.joint import ParameterMismatchError
+from remat.graph_capture.joint import DoubleBackwardError, ParameterMismatchError, RetainedGraphWarning
 from remat.graph_capture.outputs import OutputError
 from remat.measure import count_flops, measure_peak, resident_bytes
 from remat.runtime.compile import CompiledPeakWarning
-from remat.runtime.module import ModeMismatchError, OutsideBudgetWarning
+from remat.runtime.module import OutsideBudgetWarning, PlanCacheLimitWarning, RematModule
 from remat.plan_file import load_plan
 from remat.planning import plan
 from remat.runtime.partition import PlanMismatchError
@@ -23,10 +23,10 @@ from remat.solver.plan import Plan, PlanFileError, PlanStatus
 from remat.solver.revolve import NotAChainError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 
-__all__ = ["optimize", "plan", "capture", "solve", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
+__all__ = ["optimize", "plan", "capture", "solve", "RematModule", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
            "load_plan",
            # the errors and warnings remat documents (README: "What remat refuses")
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "ModeMismatchError", "OutsideBudgetWarning", "CompiledPeakWarning", "SolverFallbackWarning",
+           "DoubleBackwardError", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "CompiledPeakWarning", "SolverFallbackWarning",
            "NotAChainError"]

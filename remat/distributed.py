@@ -40,7 +40,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.api import _smallest_feasible, capture, optimize, solve
+from remat.api import capture, optimize, solve
+from remat.solving import smallest_feasible
 from remat.measure import measure_peak
 from remat.runtime.distributed import BlockProfile, block_profile, broadcast_plans, ddp_reserved_bytes, fit_block_level
 from remat.runtime.module import OutsideBudgetWarning, RematModule
@@ -117,7 +118,7 @@ def _level_plans(graph, budget_levels: int, solver: str, time_limit_s, solver_kw
     """Plans for `graph` at `budget_levels` budgets from its smallest feasible one to keep_all's peak."""
     from remat.solver import get_solver
 
-    low = _smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
+    low = smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
     high = max(get_solver("keep_all")(graph, None).predicted_peak_bytes, low)
     plans = []
     for j in range(budget_levels):

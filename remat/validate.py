@@ -175,7 +175,7 @@ def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", t
 def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_inputs: Any, example_kwargs: Any,
                         solver: Any, time_limit_s: Any, plan: Any, fused_attention: Any,
                         solver_kwargs: dict | None = None, cost_model: Any = "flops", compiled: Any = False,
-                        solve_on_rank: Any = None) -> None:
+                        solve_on_rank: Any = None, cache_limit: Any = 8) -> None:
     """The arguments of `remat.optimize`."""
     from remat.solver.plan import Plan
 
@@ -189,6 +189,10 @@ def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_i
     _time_limit(time_limit_s)
     if not isinstance(compiled, bool):
         raise RematArgumentTypeError(f"compiled must be True or False, got {_kind(compiled)}")
+    if isinstance(cache_limit, bool) or not isinstance(cache_limit, int):
+        raise RematArgumentTypeError(f"cache_limit must be a positive integer, got {_kind(cache_limit)}")
+    if cache_limit < 1:
+        raise RematArgumentError(f"cache_limit must be at least 1 (planned steps kept), got {cache_limit}")
     if compiled and budget is None:
         raise RematArgumentError("compiled=True plans again under the budget while the compiled step exceeds it: "
                                  "give budget_gb or budget_bytes")
