@@ -94,16 +94,22 @@ def call_key(model: nn.Module, args: tuple, kwargs: dict,
 
 
 def describe_key(key: CallKey) -> str:
-    """The call a key stands for, in a few words: its tensors' shapes and what requires grad."""
-    _, parts, modes, autocast = key
-    tensors = []
-    for p in parts:
+    """The call a key stands for, in a few words: each argument's shape and dtype (requires_grad
+    where it does), or its value, and the mode: "idx=(4, 64) int64, targets=(4, 64) int64 (train)"."""
+    spec, parts, modes, autocast = key
+
+    def leaf(p: tuple) -> str:
         if len(p) == 4 and isinstance(p[1], torch.dtype):
             shape, dtype, _, grad = p
-            tensors.append(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}{' requires_grad' if grad else ''}")
+            return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}{' requires_grad' if grad else ''}"
+        return repr(p[1])
+
+    args, kwargs = pytree.tree_unflatten([leaf(p) for p in parts], spec)
+    named = [str(a) if not isinstance(a, str) else a for a in args]
+    named += [f"{k}={v}" for k, v in kwargs.items()]
     mode = "train" if modes and modes[0][1] else "eval"
     extra = "" if not autocast.enabled else f", {autocast}"
-    return f"inputs {', '.join(tensors) or 'none'} ({mode}{extra})"
+    return f"inputs {', '.join(named) or 'none'} ({mode}{extra})"
 
 
 @dataclass(frozen=True)
