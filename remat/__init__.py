@@ -9,6 +9,7 @@ if _os.path.isfile(_os.path.join(_root, "graph_capture", "__init__.py")) and _ro
     __path__.append(_root)
 
 from remat.api import InfeasibleBudgetError, TraceError, capture, optimize, solve
+from remat.blockwise import BlockwiseModule, BlockwisePlanWarning
 from remat.graph_capture.autocast_state import AutocastMismatchError
 from remat.graph_capture.joint import DoubleBackwardError, ParameterMismatchError, RetainedGraphWarning
 from remat.graph_capture.outputs import OutputError
@@ -23,10 +24,10 @@ from remat.solver.plan import Plan, PlanFileError, PlanStatus
 from remat.solver.revolve import NotAChainError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 
-__all__ = ["optimize", "plan", "capture", "solve", "RematModule", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
+__all__ = ["optimize", "plan", "capture", "solve", "RematModule", "BlockwiseModule", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
            "load_plan",
            # the errors and warnings remat documents (README: "What remat refuses")
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "DoubleBackwardError", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "CompiledPeakWarning", "SolverFallbackWarning",
+           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "CompiledPeakWarning", "SolverFallbackWarning",
            "NotAChainError"]

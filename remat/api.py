@@ -8,10 +8,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.graph_capture import progress
-from remat.graph_capture.joint import TraceError, trace_training_step
+from remat.blockwise import BlockwiseModule, plan_blockwise
+from remat.graph_capture.joint import TraceError
 from remat.graph_capture.training_graph import TrainingGraph
-from remat.pipeline import Decision, Planner, PlanOptions, StepPlanner, planned_step
+from remat.pipeline import Decision, PlanOptions, StepPlanner, planned_step, trace_graph
 from remat.plan_file import check_context, load_plan, rejudge
 from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, call_key, describe_key,
@@ -43,10 +43,7 @@ def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None =
     nanoseconds, as Checkmate profiles its ops (graph_capture/op_timing.py; plans may then differ
     from run to run). The graph's structure, bytes and fingerprint are the same either way."""
     check_capture_args(model, example_inputs, example_kwargs, fused_attention, cost_model)  # before any tracing
-    planner = Planner(type(model).__name__, cost_model=cost_model)
-    with progress.quiet(quiet):
-        trace_training_step(model, _as_tuple(example_inputs), example_kwargs, planner, fused_attention)
-    return planner.graph
+    return trace_graph(model, _as_tuple(example_inputs), example_kwargs, fused_attention, cost_model, quiet)
 
 
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
@@ -54,7 +51,7 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
              solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | str | os.PathLike | None = None,
              fused_attention: bool | str = True, solve_on_rank: int | None = None, quiet: bool = False,
              cost_model: str = "flops", compiled: bool = False, cache_limit: int = DEFAULT_CACHE_LIMIT,
-             **solver_kwargs) -> RematModule:
+             **solver_kwargs) -> RematModule | BlockwiseModule:
     """Return a drop-in module whose training steps peak under the budget.
 
     The budget is the real peak of one training step, forward and backward: parameters,
@@ -116,7 +113,12 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     key, _ = call_key(model, args, kwargs, model_device_types(model))
     call = describe_key(key)
     if solve_on_rank is None:
-        first = planner.plan_call(model, args, kwargs, known=plan, others=[], call=call)
+        try:
+            first = planner.plan_call(model, args, kwargs, known=plan, others=[], call=call)
+        except TraceError as e:
+            if e.__cause__ is None or budget is None or plan is not None or compiled:
+                raise  # not a failure inside the model's code, or nothing to plan blocks with
+            return plan_blockwise(model, args, kwargs, options, e, cache_limit=cache_limit)
     else:  # one rank solves, the others receive its plan (runtime/distributed.py)
         solved = Decision(planner.choose(model, args, kwargs, known=plan, others=[]),
                           how=f"plan from rank {solve_on_rank}")

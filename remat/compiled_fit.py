@@ -37,7 +37,7 @@ from remat.runtime.compile import CompiledPeakWarning
 from remat.runtime.module import PlannedStep
 from remat.solver.plan import InfeasibleBudgetError
 
-__all__ = ["FIT_WITHIN", "MAX_ROUNDS", "fit_compiled", "measure_compiled_peak"]
+__all__ = ["FIT_WITHIN", "MAX_ROUNDS", "fit_compiled", "measure_compiled_peak", "untouched"]
 
 MAX_ROUNDS = 4  # plans solved and compiled at most; each costs an Inductor compilation
 FIT_WITHIN = 0.01  # a compiled peak this close below the budget (a fraction of it) ends the search
@@ -45,7 +45,7 @@ MIB = 2 ** 20
 
 
 @contextmanager
-def _untouched(model: nn.Module, device: torch.device | None):
+def untouched(model: nn.Module, device: torch.device | None):
     """Run steps on `model` and leave it as it was: its gradients (moved off the GPU meanwhile, so
     they are not counted in the measured peak), its buffers and the random generators' states."""
     params = [p for p in model.parameters()]
@@ -77,7 +77,7 @@ def measure_compiled_peak(module, model: nn.Module, args: Sequence, kwargs: dict
         for p in model.parameters():
             p.grad = None
 
-    with _untouched(model, device):
+    with untouched(model, device):
         step()  # compiles both graphs
         return measure_peak(step, resident=resident, device=device)
 

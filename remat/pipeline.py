@@ -47,14 +47,16 @@ from remat.graph_capture.rng_replay import step_device_type
 from remat.graph_capture.training_graph import TrainingGraph
 from remat.plan_file import plan_context, rejudge
 from remat.runtime.compile import PlannedGraphs
-from remat.runtime.module import PlannedStep, PlanRecord
+from remat.runtime.module import (DEFAULT_CACHE_LIMIT, PlannedStep, PlanRecord, RematModule, call_key, describe_key,
+                                  model_device_types)
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
 from remat.solver.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
 from remat.solver.simulator import ScheduleError, simulate
 from remat.solving import solve
 
-__all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "REUSE_TIGHTNESS"]
+__all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
+           "REUSE_TIGHTNESS"]
 
 # A schedule planned for another call serves a new one when its peak there uses at least this share
 # of the budget: with more room left a solve is likely to find a plan that recomputes less.
@@ -237,3 +239,22 @@ class StepPlanner:
             return step
         except InfeasibleBudgetError as e:
             raise InfeasibleBudgetError(f"{call}: {e}", min_feasible_bytes=e.min_feasible_bytes) from None
+
+
+def trace_graph(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str = True,
+                cost_model: str = "flops", quiet: bool = False) -> TrainingGraph:
+    """The TrainingGraph of one call's training step, traced and split as AOTAutograd would (no plan)."""
+    planner = Planner(type(model).__name__, cost_model=cost_model)
+    with progress.quiet(quiet):
+        trace_training_step(model, args, kwargs, planner, fused_attention)
+    return planner.graph
+
+
+def deployed_module(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, plan: Plan | None = None,
+                    cache_limit: int = DEFAULT_CACHE_LIMIT) -> RematModule:
+    """The RematModule of `model`, its example call (`args`, `kwargs`) planned now: with `plan`, that
+    saved plan judged again on the trace; otherwise as `options` say."""
+    planner = StepPlanner(options)
+    key, _ = call_key(model, args, kwargs, model_device_types(model))
+    first = planner.plan_call(model, args, kwargs, known=plan, others=[], call=describe_key(key))
+    return RematModule(model, planner, (key, first), cache_limit=cache_limit)

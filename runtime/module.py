@@ -36,7 +36,7 @@ from remat.graph_capture.training_graph import TrainingGraph
 from remat.runtime.compile import PlannedGraphs
 from remat.solver.plan import Plan
 
-__all__ = ["RematModule", "PlannedStep", "PlanRecord", "CallPlanner", "CallKey", "call_key",
+__all__ = ["RematModule", "SignatureForward", "PlannedStep", "PlanRecord", "CallPlanner", "CallKey", "call_key",
            "describe_key", "model_device_types", "OutsideBudgetWarning", "PlanCacheLimitWarning", "DEFAULT_CACHE_LIMIT"]
 
 # torch._dynamo.config.recompile_limit's default: the planned steps a module keeps before it drops
@@ -161,12 +161,13 @@ class CallPlanner(Protocol):
         ...
 
 
-class _Forward:
-    """The module's `forward`, presenting the wrapped model's signature (`inspect.signature`, which
-    Hugging Face's Trainer reads to keep the dataset columns the model takes). It holds its module
-    weakly, so a RematModule is freed as soon as it is dropped (no reference cycle)."""
+class SignatureForward:
+    """A wrapper module's `forward`, presenting the wrapped model's signature (`inspect.signature`,
+    which Hugging Face's Trainer reads to keep the dataset columns the model takes) and calling the
+    wrapper's `_dispatch(args, kwargs)`. It holds its module weakly, so the wrapper is freed as soon
+    as it is dropped (no reference cycle)."""
 
-    def __init__(self, module: "RematModule"):
+    def __init__(self, module: nn.Module):
         self._module = weakref.ref(module)
         try:
             import inspect
@@ -178,7 +179,7 @@ class _Forward:
 
     def __call__(self, *args, **kwargs):
         module = self._module()
-        assert module is not None, "the RematModule this forward belongs to was freed"
+        assert module is not None, "the module this forward belongs to was freed"
         return module._dispatch(args, kwargs)
 
 
@@ -211,7 +212,7 @@ class RematModule(nn.Module):
         d["_inductor"] = False  # the steps' graphs run Inductor's code (torch.compile)
         d["plan_log"] = []  # a PlanRecord per key planned, in order
         d["_device_types"] = model_device_types(model)
-        d["forward"] = _Forward(self)
+        d["forward"] = SignatureForward(self)
         if first is not None:
             self._add(*first)
 
@@ -323,7 +324,7 @@ class RematModule(nn.Module):
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.__dict__["_steps"] = OrderedDict()
-        self.__dict__["forward"] = _Forward(self)
+        self.__dict__["forward"] = SignatureForward(self)
 
     # the state is the wrapped model's, under its own keys
     def state_dict(self, *args, **kwargs):
