@@ -30,9 +30,10 @@ def _readme(tmp_path: Path, body: str, marker_args: str = 'r.txt cmd="python ben
     return readme
 
 
-def test_real_readme_figures_are_current():
-    stale = figures.check_readme(ROOT / "README.md")
-    assert stale == "", "README figures are stale; run `python benchmarks/readme_figures.py`:\n" + stale
+@pytest.mark.parametrize("page", figures.pages(), ids=lambda p: p.name)
+def test_real_readme_and_docs_figures_are_current(page):
+    stale = figures.check_readme(page)
+    assert stale == "", f"{page.name}'s figures are stale; run `python benchmarks/readme_figures.py`:\n" + stale
 
 
 def test_real_readme_has_figures():
