@@ -325,7 +325,7 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
                 tracing.close()  # traced: the partition function reports its own stages
                 return partition_fn(joint_gm, joint_inputs, **kw)
 
-            # [engineer D: mixed precision, library models] trace as torch.compile does, so that
+            # trace as torch.compile does, so that
             # Hugging Face skips its data-dependent mask shortcuts (graph_capture/hf_compat.py); the
             # step checks each call runs under the autocast it was traced in, the backward without any
             autocast = AutocastState.current(step_device_types(model, flat))  # (autocast_state.py)

@@ -270,7 +270,12 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
         raise error
     names = [n for n, _ in found]
     blocks = [b for _, b in found]
-    calls = _record_block_calls(model, blocks, args, kwargs)
+    try:
+        calls = _record_block_calls(model, blocks, args, kwargs)
+    except Exception:  # the model cannot run these inputs eagerly either: the trace's error says why
+        calls = None
+    if calls is None:
+        raise error
     graphs: list[TrainingGraph | None] = []
     for b, call in zip(blocks, calls):
         if call is None:

@@ -22,7 +22,9 @@ traced (the graph depends on it), then planned in the first of these ways that a
 3. checkmate, and a schedule planned for another call runs on this graph (the same nodes, op for op,
    at other sizes: `TrainingGraph.structure_fingerprint`): it is simulated at the new sizes (the peak
    is checked, never assumed) and serves if it fits and uses at least REUSE_TIGHTNESS of the budget
-   (with more room left, a plan that recomputes less is likely: solve instead);
+   (with more room left, a plan that recomputes less is likely: solve instead), or if it fits and
+   the other call's graph is this very graph (only a non-tensor argument's value differed: a step
+   counter, a flag), so a Python number that changes every call costs a trace, never a solve;
 4. otherwise the strategy solves the graph (baselines always do: they are fast).
 The budget holds at every shape: where no plan fits, InfeasibleBudgetError names the call and the
 smallest feasible budget for it.
@@ -163,7 +165,9 @@ def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptio
 
 def _reused(graph: TrainingGraph, budget: int, options: PlanOptions,
             others: list[tuple[str, Plan]]) -> tuple[Plan, str] | None:
-    """Another call's schedule where it runs on `graph` and fits as tightly as REUSE_TIGHTNESS asks."""
+    """Another call's schedule where it runs on `graph` and fits as tightly as REUSE_TIGHTNESS asks,
+    or fits at all when that call's graph is this one (the same nodes and sizes: only a non-tensor
+    argument's value differs, e.g. a step counter), for which that schedule was solved."""
     shape = graph.structure_fingerprint()
     for call, other in reversed(others):  # the most recent first
         if other.graph is None or other.graph.structure_fingerprint() != shape:
@@ -172,7 +176,8 @@ def _reused(graph: TrainingGraph, budget: int, options: PlanOptions,
             sim = simulate(graph, other.schedule)
         except ScheduleError:
             continue
-        if REUSE_TIGHTNESS * budget <= sim.peak_bytes <= budget:
+        same_graph = other.graph.fingerprint() == graph.fingerprint()
+        if sim.peak_bytes <= budget and (same_graph or sim.peak_bytes >= REUSE_TIGHTNESS * budget):
             how = f"reused the schedule of {call}"
             return plan_from_schedule(graph, other.schedule, strategy=options.solver, budget_bytes=budget,
                                       status=PlanStatus.FEASIBLE, details={"plan_source": how}), how

@@ -72,7 +72,7 @@ def budget_in_bytes(budget_gb: Any = None, budget_bytes: Any = None) -> int | No
 
 
 def _time_limit(time_limit_s: Any) -> None:
-    if time_limit_s is None:  # (engineer B) no wall-clock limit: the solver's deterministic work limits
+    if time_limit_s is None:  # no wall-clock limit: the solver's deterministic work limits
         return
     if _real("time_limit_s", time_limit_s) <= 0:
         raise RematArgumentError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")

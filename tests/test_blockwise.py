@@ -30,7 +30,7 @@ class Net(nn.Module):
         super().__init__()
         self.kind = kind
         self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 5)
-        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
 
     def forward(self, x, y):
         h = self.inp(x)
@@ -80,10 +80,10 @@ def test_a_step_with_data_dependent_python_is_planned_block_by_block(kind):
     ref = copy.deepcopy(model)
     x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
     budget = _tight(model, (x, y))
-    with pytest.warns(remat.BlockwisePlanWarning, match="cannot be traced whole.*4 repeated blocks"):
+    with pytest.warns(remat.BlockwisePlanWarning, match="cannot be traced whole.*3 repeated blocks"):
         opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
     assert isinstance(opt, BlockwiseModule) and opt.fit.measured_bytes <= budget
-    assert opt.fit.blocks == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert opt.fit.blocks == ["blocks.0", "blocks.1", "blocks.2"]
     _train_both(opt, model, ref, [(x, y), (-x, y), (x[:48], y[:48])], budget)
     assert not any("forward" in b.__dict__ for b in model.blocks)  # the model is left as it was
 

@@ -124,13 +124,15 @@ def test_the_last_smaller_batch_and_a_shorter_sequence_train_under_the_budget():
 def test_a_shape_the_budget_cannot_hold_is_refused_naming_its_smallest_budget():
     model, _, inputs = _pair(dropout=0.0)
     small = (inputs[0][:1, :16].contiguous(), inputs[1][:1, :16].contiguous())
-    budget = int(1.02 * _keep_all_peak(model, small))  # fits the small batch with nothing recomputed
-    opt = remat.optimize(model, budget_bytes=budget, example_inputs=small, quiet=True)
+    budget = int(1.02 * _keep_all_peak(model, small))  # fits the small batch
+    # equal_spacing: its smallest feasible budget is found in milliseconds (checkmate's: tests/test_checkmate.py)
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=small, quiet=True, solver="equal_spacing")
     with pytest.raises(remat.InfeasibleBudgetError, match=r"inputs \(4, 64\) int64.*smallest budget") as e:
         opt.plan_for(*inputs)  # planned ahead: the largest shape of the run
     assert e.value.min_feasible_bytes > budget
     # a budget that holds the large shape too, planned ahead, then trained on without a trace
-    opt = remat.optimize(model, budget_bytes=e.value.min_feasible_bytes, example_inputs=small, quiet=True)
+    opt = remat.optimize(model, budget_bytes=e.value.min_feasible_bytes, example_inputs=small, quiet=True,
+                         solver="equal_spacing")
     plan = opt.plan_for(*inputs)
     assert plan.fits and len(opt.plans) == 2
     _step(opt, inputs)
@@ -175,12 +177,34 @@ def test_a_non_tensor_argument_that_changes_is_planned_per_value_and_then_cached
     assert len(opt.plans) == 4  # (0.5), (2.0, False), (0.5, True), (0.5, False): each traced once
 
 
+def test_a_python_number_that_changes_every_step_costs_a_trace_not_a_solve():
+    """A step counter or a loss scale passed as a Python float: every value is another graph (the
+    number is built in), the same nodes at the same sizes, so the solved schedule serves again."""
+    class Scaled(nn.Module):
+        def __init__(self, gpt):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, idx, targets, scale: float):
+            return self.gpt(idx, targets) * scale
+
+    gpt, ref_gpt, inputs = _pair(dropout=0.1)
+    model, ref = Scaled(gpt), Scaled(ref_gpt)
+    budget = int(0.6 * _keep_all_peak(model, (*inputs, 1.0)))
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=(*inputs, 1.0), quiet=True)
+    assert opt.plan.recomputed
+    for scale in (0.5, 0.25, 2.0):
+        _zero(model, ref)
+        _assert_same(model, ref, _step(opt, (*inputs, scale)), _step(ref, (*inputs, scale)))
+    assert [r.how.split(" of ")[0] for r in opt.plan_log] == ["solved"] + ["reused the schedule"] * 3
+
+
 def test_retain_graph_after_an_ordinary_step_works_as_in_eager():
     """After one ordinary step, backward(retain_graph=True) raised torch's "compiled with non-empty
     donated buffers ... set torch._functorch.config.donated_buffer=False"."""
     model, ref, inputs = _pair(dropout=0.1)
-    opt = remat.optimize(model, budget_bytes=int(0.7 * _keep_all_peak(model, inputs)), example_inputs=inputs,
-                         quiet=True)
+    opt = remat.optimize(model, budget_bytes=2**30, example_inputs=inputs, quiet=True, solver="equal_spacing")
+    assert opt.plan.recomputed  # the retained backward recomputes, twice
     _step(opt, inputs)
     _zero(model, ref)
     torch.manual_seed(5)
