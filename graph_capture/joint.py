@@ -30,7 +30,7 @@ from remat.graph_capture.outputs import OutputError, OutputStructure
 from remat.graph_capture.progress import Stage
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "PartitionFailed", "ParameterMismatchError",
-           "DoubleBackwardError", "RetainedGraphWarning", "CompiledStep", "trace_training_step"]
+           "DoubleBackwardError", "RetainedGraphWarning", "CompiledStep", "run_boxed", "trace_training_step"]
 
 
 class TraceError(RuntimeError):
@@ -252,8 +252,8 @@ class CompiledStep:
         return outs
 
 
-def _compile_identity(gm: torch.fx.GraphModule, example_inputs):
-    """Run the graph as it is, with the boxed calling convention: the graph receives the list of
+def run_boxed(gm: torch.fx.GraphModule, example_inputs):
+    """An AOTAutograd compiler that runs the graph as it is, with the boxed calling convention: the graph receives the list of
     its inputs and clears it, so each input (a saved activation, in the backward) is freed after
     its last use instead of living until the graph returns."""
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
@@ -329,7 +329,7 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
             # Hugging Face skips its data-dependent mask shortcuts (graph_capture/hf_compat.py); the
             # step checks each call runs under the autocast it was traced in, the backward without any
             autocast = AutocastState.current(step_device_types(model, flat))  # (autocast_state.py)
-            fw_compiler, bw_compiler = graph_compilers or (_compile_identity, _compile_identity)
+            fw_compiler, bw_compiler = graph_compilers or (run_boxed, run_boxed)
             with traced_as_compiled(), backward_traced_as_eager(), torch.compiler.set_stance("force_eager"):
                 compiled = guard_autocast(
                     CompiledStep(aot_module_simplified(step, flat, fw_compiler=fw_compiler,

@@ -39,10 +39,10 @@ from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_by
 if TYPE_CHECKING:
     from remat.graph_capture.scaled_workspace import ProbeLimits
 
-__all__ = ["OpProbe", "Case", "probe_ops", "tensors_in", "run_cases", "real_args", "op_groups"]
+__all__ = ["OpProbe", "Case", "probe_ops", "tensors_in", "run_cases", "real_args", "real_like", "op_groups", "op_signature"]
 
 
-def _real(v, device: torch.device):
+def real_like(v, device: torch.device):
     """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device` (on the CPU
     where `v` is): random floats, integers 0 (a valid index for every gather/embedding/loss target),
     bools True. Built on a flat storage and viewed with `v`'s strides, so an expanded value (stride
@@ -61,11 +61,13 @@ def _real(v, device: torch.device):
             flat.zero_()
         return flat.as_strided(shape, stride, offset)
     if isinstance(v, (list, tuple)):
-        return type(v)(_real(x, device) for x in v)
+        return type(v)(real_like(x, device) for x in v)
     return v
 
 
-def _signature(n: fx.Node) -> tuple:
+def op_signature(n: fx.Node) -> tuple:
+    """What identifies an op call for probing: its target and each argument's shape, strides and
+    dtype (or value), so calls with the same one are measured once."""
     def sig(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
@@ -151,7 +153,7 @@ def op_groups(gm: fx.GraphModule) -> dict[tuple, list[fx.Node]]:
     todo: dict[tuple, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            todo.setdefault(_signature(n), []).append(n)
+            todo.setdefault(op_signature(n), []).append(n)
     return todo
 
 
@@ -229,7 +231,7 @@ def real_args(n: fx.Node, device: torch.device) -> Callable[[], tuple[tuple, dic
         produced = _integer_outputs_of_producers(n, device) if device.type == "cuda" else {}
 
         def value(a: fx.Node):
-            return produced[a] if a in produced else _real(a.meta.get("val"), device)
+            return produced[a] if a in produced else real_like(a.meta.get("val"), device)
 
         return fx.node.map_arg(n.args, value), fx.node.map_arg(n.kwargs, value)
 
@@ -250,8 +252,8 @@ def _integer_outputs_of_producers(n: fx.Node, device: torch.device) -> dict[fx.N
         if not (isinstance(src, fx.Node) and isinstance(src.target, torch._ops.OpOverload)):
             continue
         if src not in outputs:
-            sargs = fx.node.map_arg(src.args, lambda b: _real(b.meta.get("val"), device))
-            skwargs = fx.node.map_arg(src.kwargs, lambda b: _real(b.meta.get("val"), device))
+            sargs = fx.node.map_arg(src.args, lambda b: real_like(b.meta.get("val"), device))
+            skwargs = fx.node.map_arg(src.kwargs, lambda b: real_like(b.meta.get("val"), device))
             outputs[src] = src.target(*sargs, **skwargs)
         out = outputs[src][a.args[1]]
         if isinstance(out, torch.Tensor):

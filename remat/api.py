@@ -5,7 +5,6 @@ import os
 import warnings
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from remat.blockwise import BlockwiseModule, plan_blockwise
@@ -18,19 +17,9 @@ from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, Rem
                                   model_device_types)
 from remat.solver.plan import InfeasibleBudgetError, Plan
 from remat.solving import solve
-from remat.validate import budget_in_bytes, check_capture_args, check_optimize_args
+from remat.validate import budget_in_bytes, check_capture_args, check_optimize_args, example_arguments
 
 __all__ = ["capture", "solve", "optimize", "TraceError", "InfeasibleBudgetError"]
-
-
-def _as_tuple(example_inputs: Any) -> tuple:
-    if example_inputs is None:
-        raise ValueError("example_inputs is required: remat traces one training step to plan it")
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (list, tuple)):
-        return tuple(example_inputs)
-    raise TypeError(f"example_inputs must be a tensor or a tuple of arguments, got {type(example_inputs).__name__}")
 
 
 def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
@@ -43,7 +32,7 @@ def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None =
     nanoseconds, as Checkmate profiles its ops (graph_capture/op_timing.py; plans may then differ
     from run to run). The graph's structure, bytes and fingerprint are the same either way."""
     check_capture_args(model, example_inputs, example_kwargs, fused_attention, cost_model)  # before any tracing
-    return trace_graph(model, _as_tuple(example_inputs), example_kwargs, fused_attention, cost_model, quiet)
+    return trace_graph(model, example_arguments(example_inputs), example_kwargs, fused_attention, cost_model, quiet)
 
 
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
@@ -98,7 +87,7 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
                         plan, fused_attention, solver_kwargs, cost_model, compiled, solve_on_rank, cache_limit)
     budget = budget_in_bytes(budget_gb, budget_bytes)  # None: keep_all with no budget, or a saved plan's
-    args = _as_tuple(example_inputs)
+    args = example_arguments(example_inputs)
     kwargs = dict(example_kwargs or {})
     if plan is not None and not isinstance(plan, Plan):  # the path of a saved plan
         plan = load_plan(plan)

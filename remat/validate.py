@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 __all__ = ["RematArgumentError", "RematArgumentTypeError", "budget_in_bytes", "check_optimize_args",
-           "check_capture_args", "check_solve_args"]
+           "check_capture_args", "check_solve_args", "check_solver", "example_arguments"]
 
 GB = 1e9  # budget_gb is in units of 10^9 bytes
 
@@ -78,7 +78,8 @@ def _time_limit(time_limit_s: Any) -> None:
         raise RematArgumentError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
 
 
-def _solver(solver: Any, solver_kwargs: dict) -> None:
+def check_solver(solver: Any, solver_kwargs: dict) -> None:
+    """A strategy name and its options: RematArgumentError naming a bad one."""
     from remat.solver import STRATEGIES, get_solver
 
     if not isinstance(solver, str):
@@ -151,6 +152,19 @@ def _example_inputs(example_inputs: Any, example_kwargs: Any) -> None:
             raise RematArgumentTypeError(f"example_kwargs' keys must be argument names (str), got {bad[0]!r}")
 
 
+def example_arguments(example_inputs: Any) -> tuple:
+    """The example inputs as a tuple of positional arguments (a tensor alone is one argument)."""
+    import torch
+
+    if example_inputs is None:
+        raise ValueError("example_inputs is required: remat traces one training step to plan it")
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (list, tuple)):
+        return tuple(example_inputs)
+    raise TypeError(f"example_inputs must be a tensor or a tuple of arguments, got {type(example_inputs).__name__}")
+
+
 def check_capture_args(model: Any, example_inputs: Any, example_kwargs: Any = None,
                        fused_attention: Any = True, cost_model: Any = "flops") -> None:
     """The arguments of `remat.capture`."""
@@ -168,7 +182,7 @@ def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", t
     if not isinstance(graph, TrainingGraph):
         raise RematArgumentTypeError(f"graph must be a TrainingGraph (from remat.capture), got {_kind(graph)}")
     budget_in_bytes(budget_bytes=budget_bytes)
-    _solver(solver, solver_kwargs or {})
+    check_solver(solver, solver_kwargs or {})
     _time_limit(time_limit_s)
 
 
@@ -185,7 +199,7 @@ def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_i
         raise RematArgumentTypeError(f"plan must be a remat.Plan or the path of a saved plan, got {_kind(plan)}")
     if budget is None and plan is None and solver != "keep_all":  # keep_all needs no budget
         raise RematArgumentError("give budget_gb or budget_bytes (or a saved plan=, or solver='keep_all')")
-    _solver(solver, solver_kwargs or {})
+    check_solver(solver, solver_kwargs or {})
     _time_limit(time_limit_s)
     if not isinstance(compiled, bool):
         raise RematArgumentTypeError(f"compiled must be True or False, got {_kind(compiled)}")
