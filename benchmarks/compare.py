@@ -84,11 +84,11 @@ from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.models import build_mobilenet, build_resnet, build_unet, mobilenet_inputs, resnet_inputs, unet_inputs
 from remat.report import reference_step, training_step
 from remat.solver import get_solver
-from remat.solver.plan import LOWEST_PEAK
+from remat.core.plan import LOWEST_PEAK
 from remat.solver.per_block import find_blocks
-from remat.solver.plan import InfeasibleBudgetError, Plan
+from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solver.revolve import NotAChainError
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 
 from flop_floor import flop_objective  # benchmarks/ (this script's folder) is on sys.path
 

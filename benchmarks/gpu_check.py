@@ -285,7 +285,7 @@ def _planned_step(model, inputs, strategy: str, budget, fused: str, ref_cpu) -> 
     import torch
 
     import remat
-    from remat.solver.plan import InfeasibleBudgetError
+    from remat.core.plan import InfeasibleBudgetError
 
     row: dict = {"strategy": strategy, "budget_bytes": budget}
     try:

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 from remat.compat.torch_private import is_input_mutation_output
 from remat.graph_capture.profiling import allocation_bytes
 from remat.graph_capture.profiling import storage_bytes as _storage_bytes
-from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.core.training_graph import Node, TrainingGraph
 from remat.graph_capture.cuda_library import cuda_library_workspace_bytes
 from remat.graph_capture.workspace import OpProbe, probe_ops, tensors_in
 

@@ -22,22 +22,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from remat.core.errors import RematError, RematWarning
 from remat.compat.torch_private import (allow_retained_backward, aot_module_simplified, aot_raw_forward,
                                        backward_keeps_graph, pytree)
 from remat.graph_capture.eager_calls import eager_executable
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
-from remat.graph_capture.progress import Stage
+from remat.core.progress import Stage
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "PartitionFailed", "ParameterMismatchError",
            "DoubleBackwardError", "RetainedGraphWarning", "CompiledStep", "run_boxed", "trace_training_step"]
 
 
-class TraceError(RuntimeError):
+class TraceError(RematError, RuntimeError):
     """The model's training step could not be traced; the message names the op or source line."""
 
 
-class PartitionFailed(Exception):
+class PartitionFailed(RematError):
     """Raised by a partition function to end tracing with `error`, an error of the caller's own
     (a budget no plan fits, a saved plan for another graph, ...): trace_training_step raises
     `error` itself, not a TraceError."""
@@ -47,17 +48,17 @@ class PartitionFailed(Exception):
         self.error = error
 
 
-class ParameterMismatchError(RuntimeError):
+class ParameterMismatchError(RematError, RuntimeError):
     """The model's parameters or buffers no longer match the ones the step was traced with (other
     names, shapes, dtypes, devices, requires_grad or tying): the step cannot run them."""
 
 
-class DoubleBackwardError(RuntimeError):
+class DoubleBackwardError(RematError, RuntimeError):
     """A backward with `create_graph=True` (double backward: gradient penalties, MAML) reached a
     planned step, whose backward is one compiled function autograd cannot differentiate again."""
 
 
-class RetainedGraphWarning(UserWarning):
+class RetainedGraphWarning(RematWarning):
     """A backward with `retain_graph=True` ran through a planned step: its saved activations stay
     alive for the whole backward (and after it), so the step can peak above the plan's prediction."""
 

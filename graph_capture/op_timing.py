@@ -42,12 +42,13 @@ import time
 import torch
 import torch.fx as fx
 
+from remat.core.errors import RematError
 from remat.compat.torch_private import disable_current_modes
 from remat.graph_capture.bn_replay import is_recomputable_batch_norm, recomputation_args
 from remat.graph_capture.build import JointGraphInfo
-from remat.graph_capture.progress import stage
+from remat.core.progress import stage
 from remat.graph_capture.rng_replay import is_replayable_dropout, probe_callable
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.graph_capture.workspace import op_groups, op_signature, real_args, real_like, tensors_in
 
 __all__ = ["COST_MODELS", "MIN_COST_NS", "OpTimingError", "time_ops", "measured_cost_graph", "shared_signature",
@@ -58,7 +59,7 @@ MIN_COST_NS = 1.0  # every node costs > 0, so no recomputation is free
 CUDA_BATCH = 10  # calls per timed run on CUDA (see _time_call)
 
 
-class OpTimingError(RuntimeError):
+class OpTimingError(RematError, RuntimeError):
     """The graph's ops cannot be timed here (tensors on the meta device, or on several devices)."""
 
 

@@ -24,22 +24,18 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, record_function
 
-from remat.graph_capture.progress import stage
+from remat.core.progress import stage
 from remat.graph_capture.rng_replay import probe_callable
 from remat.compat.torch_private import disable_current_modes, profiler_events
 from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peak, quiet_profile,
                                            storage_bytes)
 
-if TYPE_CHECKING:
-    from remat.graph_capture.scaled_workspace import ProbeLimits
-
-__all__ = ["OpProbe", "Case", "probe_ops", "tensors_in", "run_cases", "real_args", "real_like", "op_groups", "op_signature"]
+__all__ = ["OpProbe", "Case", "probe_ops", "default_min_bytes", "tensors_in", "run_cases", "real_args", "real_like", "op_groups", "op_signature"]
 
 
 def real_like(v, device: torch.device):
@@ -124,27 +120,25 @@ class OpProbe:
     estimated: list[dict] = field(default_factory=list)
 
 
-def probe_ops(gm: fx.GraphModule, device: torch.device | None, min_bytes: int | None = None,
-              limits: ProbeLimits | None = None, allocator: str | None = None) -> OpProbe:
-    """Run every distinct op signature of `gm` once on `device`. Workspaces under `min_bytes`
-    count as 0: by default none on CPU, where the profiler counts every byte exactly and the
-    simulator is meant to match it, and 4 KiB on CUDA, whose allocator rounds each block up (512
-    bytes and more), so small differences there are rounding, not scratch memory.
+def default_min_bytes(allocator: str) -> int:
+    """Workspaces under this count as 0: none on CPU, where the profiler counts every byte exactly
+    and the simulator is meant to match it, and 4 KiB on CUDA, whose allocator rounds each block up
+    (512 bytes and more), so small differences there are rounding, not scratch memory."""
+    return 0 if allocator == "cpu" else 4096
 
-    `limits` (planning without the memory): ops over them are measured on smaller shapes and
-    scaled, ops that create no storage (views) are not run, and with `device` None nothing runs:
-    ops get known formulas for `allocator`'s device, or 0; each estimate is listed in `estimated`.
-    `allocator` ("cpu", "cuda"; default: the device's type) is how storage bytes are counted."""
+
+def probe_ops(gm: fx.GraphModule, device: torch.device | None, min_bytes: int | None = None,
+              allocator: str | None = None) -> OpProbe:
+    """Run every distinct op signature of `gm` once on `device`, at its traced shapes. Workspaces
+    under `min_bytes` (default: `default_min_bytes`) count as 0. `allocator` ("cpu", "cuda";
+    default: the device's type) is how storage bytes are counted. Planning without the memory
+    measures within limits instead (graph_capture/scaled_workspace.py's `probe_within`)."""
     allocator = allocator or (device.type if device is not None else "cpu")
     if min_bytes is None:
-        min_bytes = 0 if allocator == "cpu" else 4096
+        min_bytes = default_min_bytes(allocator)
     # AOTAutograd calls the partitioner with its fake-tensor mode active: step outside it
     with disable_current_modes():
-        if limits is None:
-            return _probe(gm, device, min_bytes, allocator)
-        from remat.graph_capture.scaled_workspace import probe_within  # it builds on this module
-
-        return probe_within(gm, device, min_bytes, limits, allocator)
+        return _probe(gm, device, min_bytes, allocator)
 
 
 def op_groups(gm: fx.GraphModule) -> dict[tuple, list[fx.Node]]:

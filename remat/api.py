@@ -9,13 +9,13 @@ import torch.nn as nn
 
 from remat.blockwise import BlockwiseModule, plan_blockwise
 from remat.graph_capture.joint import TraceError
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.pipeline import Decision, PlanOptions, StepPlanner, planned_step, trace_graph
-from remat.plan_file import check_context, load_plan, rejudge
+from remat.deployment import check_context, load_plan, rejudge
 from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, call_key, describe_key,
                                   model_device_types)
-from remat.solver.plan import InfeasibleBudgetError, Plan
+from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import solve
 from remat.validate import budget_in_bytes, check_capture_args, check_optimize_args, example_arguments
 

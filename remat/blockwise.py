@@ -43,14 +43,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from remat.core.errors import RematWarning
 from remat.compat.torch_private import pytree
 from remat.graph_capture.joint import TraceError
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.runtime.distributed import BlockProfile, block_profile, fit_block_level
 from remat.pipeline import PlanOptions, deployed_module, trace_graph
 from remat.runtime.module import DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, SignatureForward
 from remat.solver import get_solver
-from remat.solver.plan import InfeasibleBudgetError, Plan
+from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import smallest_feasible, solve
 
 __all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "level_plans",
@@ -60,7 +61,7 @@ DEFAULT_LEVELS = 4  # budgets per distinct block graph, from its lowest peak to 
 MIB = 2 ** 20
 
 
-class BlockwisePlanWarning(UserWarning):
+class BlockwisePlanWarning(RematWarning):
     """The step could not be traced whole: its repeated blocks are planned one by one, the rest of
     the model runs as it is."""
 

@@ -19,9 +19,9 @@ from remat.cli_offline import add_commands
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.machine_info import MiB, machine
 from remat.report import format_table, reference_step, run_strategy
-from remat.graph_capture import progress
-from remat.runtime.partition import PlanMismatchError
-from remat.solver.plan import InfeasibleBudgetError, PlanFileError
+from remat.core import progress
+from remat.core.plan import PlanMismatchError
+from remat.core.plan import InfeasibleBudgetError, PlanFileError
 from remat.validate import RematArgumentError
 
 __all__ = ["main"]

@@ -24,10 +24,10 @@ from remat.cli_args import Parser, fraction, output_file, positive, positive_int
 from remat.machine_info import MiB, machine
 from remat.offline import (build, capture_graph, check_plan, keep_all_peak, largest_batch, load_factory,
                            takes_batch)
-from remat.plan_file import check_context, describe_inputs, plan_context
+from remat.deployment import check_context, describe_inputs, plan_context
 from remat.solver import STRATEGIES
-from remat.solver.plan import InfeasibleBudgetError, Plan, PlanFileError
-from remat.solver.plan_summary import module_summary, rollup
+from remat.core.plan import InfeasibleBudgetError, Plan, PlanFileError
+from remat.core.module_summary import module_summary, rollup
 from remat.validate import RematArgumentError
 
 __all__ = ["add_commands"]

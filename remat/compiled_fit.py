@@ -35,7 +35,7 @@ from torch import nn
 from remat.measure import measure_peak
 from remat.runtime.compile import CompiledPeakWarning
 from remat.runtime.module import PlannedStep
-from remat.solver.plan import InfeasibleBudgetError
+from remat.core.plan import InfeasibleBudgetError
 
 __all__ = ["FIT_WITHIN", "MAX_ROUNDS", "fit_compiled", "measure_compiled_peak", "untouched"]
 

@@ -45,7 +45,7 @@ from remat.blockwise import level_plans
 from remat.measure import measure_peak
 from remat.runtime.distributed import BlockProfile, block_profile, broadcast_plans, ddp_reserved_bytes, fit_block_level
 from remat.runtime.module import OutsideBudgetWarning, RematModule
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 from remat.validate import budget_in_bytes
 
 __all__ = ["ShardedPlan", "fully_shard_with_remat", "block_inputs", "ddp_reserved_bytes"]

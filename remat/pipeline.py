@@ -40,21 +40,21 @@ from typing import Any
 import torch.nn as nn
 
 from remat.compat.torch_private import compiled_submodules, default_partition
-from remat.graph_capture import progress
+from remat.core import progress
 from remat.graph_capture.build import JointGraphInfo, build_training_graph
 from remat.graph_capture.joint import PartitionFailed, trace_training_step
 from remat.graph_capture.op_timing import measured_cost_graph
 from remat.graph_capture.rewrites import prepare_joint_graph
 from remat.graph_capture.rng_replay import step_device_type
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.plan_file import plan_context, rejudge
+from remat.core.training_graph import TrainingGraph
+from remat.deployment import plan_context, rejudge
 from remat.runtime.compile import PlannedGraphs
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, PlannedStep, PlanRecord, RematModule, call_key, describe_key,
                                   model_device_types)
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
-from remat.solver.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
-from remat.solver.simulator import ScheduleError, simulate
+from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
+from remat.core.simulator import ScheduleError, simulate
 from remat.solving import solve
 
 __all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",

@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 
 from remat.api import solve
-from remat.graph_capture import progress
+from remat.core import progress
 from remat.graph_capture.fake_capture import capture_without_memory, planned_device
 from remat.graph_capture.scaled_workspace import ProbeLimits
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan import Plan
 from remat.validate import (RematArgumentError, RematArgumentTypeError, budget_in_bytes, check_optimize_args,
                             example_arguments)
 

@@ -6,10 +6,10 @@ everywhere: InfeasibleBudgetError naming the smallest budget the same strategy r
 """
 from __future__ import annotations
 
-from remat.graph_capture import progress
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core import progress
+from remat.core.training_graph import TrainingGraph
 from remat.solver import get_solver
-from remat.solver.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
+from remat.core.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
 from remat.validate import check_solve_args
 
 __all__ = ["solve", "smallest_feasible"]

@@ -8,6 +8,8 @@ line, so a NaN budget or a misspelt solver fails in microseconds, not after a mi
 """
 from __future__ import annotations
 
+from remat.core.errors import RematError
+
 import inspect
 import math
 import numbers
@@ -20,7 +22,7 @@ __all__ = ["RematArgumentError", "RematArgumentTypeError", "budget_in_bytes", "c
 GB = 1e9  # budget_gb is in units of 10^9 bytes
 
 
-class RematArgumentError(ValueError):
+class RematArgumentError(RematError, ValueError):
     """An argument of remat's API has a value remat cannot use; the message names it."""
 
 
@@ -177,7 +179,7 @@ def check_capture_args(model: Any, example_inputs: Any, example_kwargs: Any = No
 def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", time_limit_s: Any = 60.0,
                      solver_kwargs: dict | None = None) -> None:
     """The arguments of `remat.solve` (a budget of None asks for no budget)."""
-    from remat.graph_capture.training_graph import TrainingGraph
+    from remat.core.training_graph import TrainingGraph
 
     if not isinstance(graph, TrainingGraph):
         raise RematArgumentTypeError(f"graph must be a TrainingGraph (from remat.capture), got {_kind(graph)}")
@@ -191,7 +193,7 @@ def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_i
                         solver_kwargs: dict | None = None, cost_model: Any = "flops", compiled: Any = False,
                         solve_on_rank: Any = None, cache_limit: Any = 8) -> None:
     """The arguments of `remat.optimize`."""
-    from remat.solver.plan import Plan
+    from remat.core.plan import Plan
 
     check_capture_args(model, example_inputs, example_kwargs, fused_attention, cost_model)
     budget = budget_in_bytes(budget_gb, budget_bytes)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from remat.core.errors import RematWarning
 from remat.compat.torch_private import inductor_compile
 from remat.graph_capture import bn_replay  # noqa: F401  (registers remat::batch_norm_stats, looked up below)
 from remat.graph_capture.joint import run_boxed
@@ -38,7 +39,7 @@ __all__ = ["PlannedGraphs", "GraphRunner", "RECOMPUTED", "CompiledPeakWarning"]
 RECOMPUTED = "remat_recomputed"  # node.meta key the runtime sets on recomputations in the backward
 
 
-class CompiledPeakWarning(UserWarning):
+class CompiledPeakWarning(RematWarning):
     """The plan's graphs run as Inductor compiled them: the step's peak is Inductor's, not the
     plan's prediction, and can exceed the budget (`python benchmarks/compile_budget.py` measures by
     how much). `remat.optimize(..., compiled=True)` measures it instead (remat/compiled_fit.py)."""

@@ -29,12 +29,13 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from remat.core.errors import RematWarning
 from remat.compat.torch_private import pytree
 from remat.graph_capture.autocast_state import AutocastState
 from remat.graph_capture.joint import FlatSignature
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.runtime.compile import PlannedGraphs
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 
 __all__ = ["RematModule", "SignatureForward", "PlannedStep", "PlanRecord", "CallPlanner", "CallKey", "call_key",
            "describe_key", "model_device_types", "OutsideBudgetWarning", "PlanCacheLimitWarning", "DEFAULT_CACHE_LIMIT"]
@@ -44,11 +45,11 @@ __all__ = ["RematModule", "SignatureForward", "PlannedStep", "PlanRecord", "Call
 DEFAULT_CACHE_LIMIT = 8
 
 
-class OutsideBudgetWarning(UserWarning):
+class OutsideBudgetWarning(RematWarning):
     """The model returns more than a loss: memory used outside the module is not budgeted."""
 
 
-class PlanCacheLimitWarning(UserWarning):
+class PlanCacheLimitWarning(RematWarning):
     """A module met more kinds of call (shapes, requires_grad patterns, modes) than its cache holds:
     each new one costs a trace from now on."""
 

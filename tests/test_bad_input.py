@@ -14,7 +14,7 @@ import torch.nn as nn
 import remat
 from remat.validate import budget_in_bytes as _budget
 from remat.default_model import GPTConfig
-from remat.solver.plan import Plan, PlanFileError
+from remat.core.plan import Plan, PlanFileError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 from tests.conftest import training_chain
 

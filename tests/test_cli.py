@@ -14,7 +14,7 @@ import pytest
 import remat
 import remat.cli as cli
 from remat.graph_capture.profiling import _without_usdt_lines
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 
 TINY_GPT = """
 from remat.default_model import GPTConfig, default_inputs, default_model

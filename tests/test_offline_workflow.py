@@ -19,9 +19,9 @@ import torch
 
 import remat
 import remat.cli as cli
-from remat.plan_file import rejudge
-from remat.runtime.partition import PlanMismatchError
-from remat.solver.plan import Plan
+from remat.deployment import rejudge
+from remat.core.plan import PlanMismatchError
+from remat.core.plan import Plan
 from tests.conftest import transformer_like
 
 MODEL = textwrap.dedent('''

@@ -7,8 +7,8 @@ import remat
 from remat.default_model import default_model
 from remat.report import reference_step, run_strategy
 from remat.runtime.module import OutsideBudgetWarning
-from remat.runtime.partition import PlanMismatchError
-from remat.solver.plan import Plan
+from remat.core.plan import PlanMismatchError
+from remat.core.plan import Plan
 from tests.models import SMALL, ConvNet, DataDependent, KwargsNet, small_gpt
 
 

@@ -3,7 +3,7 @@
 No fx.Node and no tensor lives here: only names, edges, byte counts and costs, so a graph can be
 saved as JSON, built by hand in tests, and handed to any solver.
 
-Memory model (the simulator in `remat.solver.simulator` is its single judge):
+Memory model (the simulator in `remat.core.simulator` is its single judge):
   * a node's value occupies `out_bytes` from the moment the node runs until the last read of that
     computed instance (a recomputation makes a new instance); an op with several outputs may
     list them in `out_parts` (bytes, readers), and each part is then freed after the last read
@@ -26,7 +26,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-__all__ = ["Node", "TrainingGraph"]
+__all__ = ["Node", "TrainingGraph", "RNG_STATE_OP"]
+
+RNG_STATE_OP = "rng_state.default"  # the op name of a node that saves the generator state (graph_capture/rng_replay.py)
 
 
 @dataclass(frozen=True)
