@@ -49,7 +49,7 @@ from remat.graph_capture.joint import TraceError
 from remat.core.training_graph import TrainingGraph
 from remat.runtime.distributed import BlockProfile, block_profile, fit_block_level
 from remat.pipeline import PlanOptions, deployed_module, trace_graph
-from remat.runtime.module import DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, SignatureForward
+from remat.runtime.module import DEFAULT_CACHE_LIMIT, ModelWrapper, OutsideBudgetWarning, RematModule
 from remat.solver import get_solver
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import smallest_feasible, solve
@@ -209,39 +209,25 @@ def _loss(out: Any) -> torch.Tensor:
                      "loss (a one-element tensor, or an output with a `loss`)")
 
 
-class BlockwiseModule(nn.Module):
+class BlockwiseModule(ModelWrapper):
     """The model with its repeated blocks running remat plans and the rest as it is (see the module
     docstring). Parameters, buffers and state_dict keys are the model's own; `fit` says what was
     chosen, `blocks` holds each planned block's RematModule (None for a block run as it is)."""
 
     def __init__(self, model: nn.Module, names: list[str], blocks: list[nn.Module], planned: list[RematModule | None],
                  fit: BlockwiseFit):
-        super().__init__()
-        self.module = model
+        super().__init__(model)
         d = self.__dict__
         d["block_names"] = names
         d["_blocks"] = blocks
         d["blocks"] = planned
         d["fit"] = fit
-        d["forward"] = SignatureForward(self)
 
     def _dispatch(self, args: tuple, kwargs: dict):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         with _Redirected(self._blocks, lambda i, own: _to_planned(self.blocks[i], own)):
             return self.module(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_modules"]["module"], name)
 
     def extra_repr(self) -> str:
         f = self.fit

@@ -191,10 +191,6 @@ class StepPlanner:
 
     options: PlanOptions
 
-    @property
-    def budget_bytes(self) -> int | None:
-        return self.options.budget_bytes
-
     def choose(self, model: nn.Module, args: tuple, kwargs: dict, *, known: Plan | None,
                others: list[tuple[str, Plan]], budget: int | None = None) -> Callable[[TrainingGraph], tuple[Plan, str]]:
         """graph -> (plan, how) for this call: the order of the module docstring; `budget`

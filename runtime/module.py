@@ -37,7 +37,7 @@ from remat.core.training_graph import TrainingGraph
 from remat.runtime.compile import PlannedGraphs
 from remat.core.plan import Plan
 
-__all__ = ["RematModule", "SignatureForward", "PlannedStep", "PlanRecord", "CallPlanner", "CallKey", "call_key",
+__all__ = ["RematModule", "ModelWrapper", "SignatureForward", "PlannedStep", "PlanRecord", "CallPlanner", "CallKey", "call_key",
            "describe_key", "model_device_types", "OutsideBudgetWarning", "PlanCacheLimitWarning", "DEFAULT_CACHE_LIMIT"]
 
 # torch._dynamo.config.recompile_limit's default: the planned steps a module keeps before it drops
@@ -152,8 +152,6 @@ class PlannedStep:
 class CallPlanner(Protocol):
     """What a RematModule asks to plan a call it has not seen (remat/pipeline.py's StepPlanner)."""
 
-    budget_bytes: int | None
-
     def plan_call(self, model: nn.Module, args: tuple, kwargs: dict, *, known: Plan | None,
                   others: list[tuple[str, Plan]], call: str) -> PlannedStep:
         """The planned step for `model(*args, **kwargs)`: `known`, a plan already made for this key
@@ -184,7 +182,43 @@ class SignatureForward:
         return module._dispatch(args, kwargs)
 
 
-class RematModule(nn.Module):
+class ModelWrapper(nn.Module):
+    """A module that wraps the user's model as a drop-in: the model is its one submodule
+    (`.module`), its state_dict keys are the model's own, attributes it lacks are the model's, and its
+    `forward` presents the model's signature and calls `_dispatch(args, kwargs)`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.module = model
+        self.__dict__["forward"] = SignatureForward(self)
+
+    def _dispatch(self, args: tuple, kwargs: dict):
+        raise NotImplementedError
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("forward", None)  # made again for the copy
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.__dict__["forward"] = SignatureForward(self)
+
+    # the state is the wrapped model's, under its own keys
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_modules"]["module"], name)
+
+
+class RematModule(ModelWrapper):
     """Wraps the user's model. With grad enabled, a call runs the planned step for its key (see the
     module docstring; a key not seen before is planned first): the forward keeps only what the plan
     keeps and the backward recomputes the rest where the plan says. Under no_grad (inference), and
@@ -200,8 +234,7 @@ class RematModule(nn.Module):
 
     def __init__(self, model: nn.Module, planner: CallPlanner, first: tuple[CallKey, PlannedStep] | None = None,
                  *, cache_limit: int = DEFAULT_CACHE_LIMIT):
-        super().__init__()
-        self.module = model
+        super().__init__(model)
         # not submodules or buffers: plain attributes, invisible to state_dict and .to()
         d = self.__dict__
         d["_planner"] = planner
@@ -213,7 +246,6 @@ class RematModule(nn.Module):
         d["_inductor"] = False  # the steps' graphs run Inductor's code (torch.compile)
         d["plan_log"] = []  # a PlanRecord per key planned, in order
         d["_device_types"] = model_device_types(model)
-        d["forward"] = SignatureForward(self)
         if first is not None:
             self._add(*first)
 
@@ -243,10 +275,6 @@ class RematModule(nn.Module):
     def compiled_fit(self) -> list[tuple[int, int]] | None:
         step = self._steps.get(self._latest)
         return step.compiled_fit if step is not None else None
-
-    @property
-    def _signature(self) -> FlatSignature:
-        return self._steps[self._latest].signature
 
     def plan_for(self, *args, **kwargs) -> Plan:
         """Plan the call `self(*args, **kwargs)` now, without running it (e.g. for the largest
@@ -317,28 +345,13 @@ class RematModule(nn.Module):
 
     # ---- copies: the model and the plans; the steps are traced again at their first call ----------
     def __getstate__(self):
-        state = dict(self.__dict__)
-        for k in ("forward", "_steps"):
-            state.pop(k, None)
+        state = super().__getstate__()
+        state.pop("_steps", None)  # traced again at each key's first call
         return state
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        super().__setstate__(state)
         self.__dict__["_steps"] = OrderedDict()
-        self.__dict__["forward"] = SignatureForward(self)
-
-    # the state is the wrapped model's, under its own keys
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_modules"]["module"], name)
 
     def extra_repr(self) -> str:
         p = self.plan
