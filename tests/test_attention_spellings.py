@@ -17,8 +17,8 @@ are drawn in block order in both), against the model's own eager step:
 * `test_routed_spelling_matches_eager` (210 drawn spellings + 4 explicit, one block each): the step run
   eagerly inside `route_attention(model=...)`, the tracker and router code the capture uses, on real
   tensors;
-* `test_optimized_spellings_match_eager` (35 drawn stacks of 6 spellings, all distinct within a stack, +
-  one stack of the 7 explicit spellings + plain nanoGPT alone: 218 spellings in 37 `remat.optimize(...,
+* `test_optimized_spellings_match_eager` (20 drawn stacks of 6 spellings, all distinct within a stack, +
+  one stack of the 7 explicit spellings + plain nanoGPT alone: 128 spellings in 22 `remat.optimize(...,
   solver="keep_all")` calls, the real module). Each `optimize` call traces a joint graph (~0.15 s a
   block), so one model stacks 6 residual blocks, each spelled its own way: fused and unfused blocks
   mixed in one graph, the loss and every parameter's gradient compared, and each block's fused ops
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.attention.router import route_attention
+from tests.fuzz_scale import fuzz_count
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed: property tests skipped")
 from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
@@ -50,7 +51,7 @@ from hypothesis import strategies as st  # noqa: E402
 B, H, T, D, V = 2, 2, 8, 8, 16
 C = H * D
 RTOL, ATOL = 1e-5, 1e-6
-BLOCKS, STACKS = 6, 35  # the optimized test: 35 drawn stacks of 6 spellings each
+BLOCKS, STACKS = 6, fuzz_count(20)  # the optimized test: 20 drawn stacks of 6 spellings each (tests/fuzz_scale.py)
 
 SCALES = ["div", "mul", "rmul", "idiv", "imul", "div_", "mul_", "q_prescale", "tensor"]
 MATMULS = ["@", "matmul", "bmm", "einsum"]

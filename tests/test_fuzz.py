@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import remat  # noqa: E402
+from tests.fuzz_scale import fuzz_count  # noqa: E402
 
 
 class FuzzNet(nn.Module):
@@ -58,7 +59,7 @@ def cases(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
-@settings(max_examples=100, deadline=None, derandomize=True,
+@settings(max_examples=fuzz_count(50), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_random_models_and_budgets(case):

@@ -8,8 +8,8 @@ loss, gradients and buffers after a step equal the unmodified model's (same seed
 peak is the predicted one and within the budget. A refused budget is retried at the smallest feasible
 one the refusal names, which must then be accepted.
 
-Each net is drawn from its seed (random.Random, not hypothesis: 32 independent cases spread over
-pytest-xdist's workers; a failure prints the net it drew)."""
+Each net is drawn from its seed (random.Random, not hypothesis: two independent cases per strategy, more under
+REMAT_FUZZ_SCALE (tests/fuzz_scale.py), spread over pytest-xdist's workers; a failure prints the net it drew)."""
 from __future__ import annotations
 
 import random
@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
+from tests.fuzz_scale import fuzz_count
 from tests.fuzz_check import optimize_and_compare
 
 KINDS = ["plain", "residual", "depthwise", "concat", "down_up", "squeeze_excite"]
@@ -103,7 +104,7 @@ def _case(seed: int) -> dict:
 
 
 # every strategy on 4 nets of its own (checkmate on 8): 32 nets, each drawn from its seed
-CASES = [(solver, seed) for seed, solver in enumerate(STRATEGIES * 4)]
+CASES = [(solver, seed) for seed, solver in enumerate(STRATEGIES * fuzz_count(2))]
 
 
 @pytest.mark.parametrize("solver,seed", CASES, ids=[f"{solver}-{seed}" for solver, seed in CASES])

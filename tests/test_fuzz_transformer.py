@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
+from tests.fuzz_scale import fuzz_count
 from tests.fuzz_check import optimize_and_compare
 
 V = 64  # vocabulary
@@ -145,7 +146,7 @@ def _case(seed: int) -> dict:
 
 
 # every strategy on 2 nets of its own (checkmate on 4): 16 nets
-CASES = [(solver, seed) for seed, solver in enumerate(STRATEGIES * 2)]
+CASES = [(solver, seed) for seed, solver in enumerate(STRATEGIES * fuzz_count(2))]
 
 
 @pytest.mark.parametrize("solver,seed", CASES, ids=[f"{solver}-{seed}" for solver, seed in CASES])
