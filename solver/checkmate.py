@@ -6,10 +6,14 @@ lower bound on what any plan must recompute.
      plan of Checkmate's MILP, Jain et al. 2020, on a coarsened graph: solver/checkmate_model.py,
      run on the backends in turn by solver/checkmate_attempts.py), each refined on the fine graph
      (solver/refine.py);
-  2. the certified search on the fine graph (solver/checkmate_certified.py): a relaxation of the
-     problem whose LP is solved and branched on (solver/relaxation.py, solver/certify.py), each LP
-     solution turned into plans (solver/guided.py), until the best plan is within `mip_gap` of
-     the bound or a deterministic work limit is spent;
+  2. the bound and plans of the rows over the budget (solver/peak_rows.py): for each step that
+     keeping everything puts over the budget, a small model of what any plan must recompute to
+     fit there; when the best plan is within `mip_gap` of it, that is the proof and step 3 is
+     skipped (a language model's loss head: one row decides);
+     then the certified search on the fine graph (solver/checkmate_certified.py): a relaxation of
+     the problem whose LP is solved and branched on (solver/relaxation.py, solver/certify.py), each
+     LP solution turned into plans (solver/guided.py), until the best plan is within `mip_gap` of
+     the bound or a deterministic work limit is spent; the bound is the larger of the two;
   3. the cheapest plan that fits, with plan.lower_bound (proven: no schedule whose first
      computations follow the graph's order fits the budget at a lower extra cost), plan.gap =
      (extra cost - lower bound) / extra cost, and status "optimal" when the gap is within
@@ -39,6 +43,7 @@ from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, se
 from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph, judge_schedules,
                                            plan_from_stages)
 from remat.core.plan import Plan, PlanStatus, plan_from_schedule
+from remat.solver.peak_rows import peak_rows_search
 from remat.solver.options import StrategyOptions, check_choice, check_int, check_number
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
@@ -47,6 +52,11 @@ __all__ = ["Options", "solve", "min_feasible_budget", "node_limit", "SolverFallb
            "NODE_WORK", "MIN_NODES", "MILP_MAX_COARSE_NODES"]
 
 BASELINES_MAX_NODES = 1000  # larger graphs: the baselines only when the certified search finds nothing
+# Larger graphs skip the certified search when the rows (solver/peak_rows.py) prove their plan within
+# LARGE_GRAPH_GAP: its relaxation of the whole step grows with nodes times the steps they live
+# (Llama-3.2-1B's 1,825 nodes: 2.1M variables, minutes and GBs) for at most that much better.
+CERTIFY_MAX_NODES = 1000
+LARGE_GRAPH_GAP = 0.02
 TINY = 1e-12
 
 
@@ -185,8 +195,29 @@ def _refine(graph: TrainingGraph, cands: list[tuple[str, list[str]]], budget_byt
 
 
 def _certify(graph, budget_bytes, refined, details, *, mip_gap, max_iterations, deadline) -> tuple[float, bool]:
-    """Phase 3: the certified search, started from the refined candidates; a plan of its own joins
-    `refined` as "relaxation". Returns (the proven lower bound, whether infeasibility is proven)."""
+    """Phase 3: the bound and plans of the rows over the budget (solver/peak_rows.py), then, unless
+    they already prove the best plan within `mip_gap`, the certified search, started from the
+    refined candidates. Plans of their own join `refined` as "peak_rows" and "relaxation". Returns
+    (the proven lower bound, whether infeasibility is proven)."""
+    def best_cost() -> float:
+        return min((sim.extra_cost for _, sim in refined.values() if sim.peak_bytes <= budget_bytes), default=math.inf)
+
+    left = None if deadline is None else max(0.5, deadline - time.perf_counter())
+    rows = peak_rows_search(graph, budget_bytes, incumbent=best_cost(), mip_gap=mip_gap, time_limit_s=left)
+    details["peak_rows"] = rows.details
+    if math.isinf(rows.bound):
+        details["bound_source"] = f"peak rows: no schedule fits at {rows.details['infeasible_row']}"
+        return rows.bound, True
+    if rows.schedule is not None:
+        refined["peak_rows"] = (rows.schedule, simulate(graph, rows.schedule))
+    best = best_cost()
+    large = len(graph.nodes) > CERTIFY_MAX_NODES and best - rows.bound <= LARGE_GRAPH_GAP * best
+    if best - rows.bound <= mip_gap * best + TINY or large:
+        details["bound_source"] = "peak rows: the row models of the steps keep-all puts over the budget"
+        if large:
+            details["certify_skipped"] = (f"{len(graph.nodes)} nodes > {CERTIFY_MAX_NODES} and the rows prove the plan "
+                                          f"within {LARGE_GRAPH_GAP:.0%}: the whole step's relaxation is not built")
+        return rows.bound, False
     starts = [(n, r) for n, (r, _) in refined.items()]
     left = None if deadline is None else max(0.5, deadline - time.perf_counter())
     res = certified_search(graph, budget_bytes, starts=starts, mip_gap=mip_gap, max_iterations=max_iterations,
@@ -194,7 +225,11 @@ def _certify(graph, budget_bytes, refined, details, *, mip_gap, max_iterations, 
     details.update(res.details)
     if res.schedule is not None and res.details.get("plan_source") == "relaxation":
         refined["relaxation"] = (res.schedule, simulate(graph, res.schedule))
-    return res.bound, math.isinf(res.bound)
+    if math.isinf(res.bound):
+        return res.bound, True
+    details["bound_source"] = ("peak rows: the row models of the steps keep-all puts over the budget"
+                               if rows.bound > res.bound else "the relaxation of the whole step (certified search)")
+    return max(res.bound, rows.bound), False
 
 
 def _fitting(refined: dict, budget_bytes: int, milp_plan: Plan | None, details: dict) -> list:

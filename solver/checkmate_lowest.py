@@ -2,11 +2,13 @@
 bound on any plan's peak.
 
 Candidates, whichever peaks lowest on the fine graph: the relaxation's low-peak schedule
-(solver/guided.py `lowest_peak_search`), equal_spacing's lowest-peak plan, and on small coarse
+(solver/guided.py `lowest_peak_search`; on graphs over ROWS_ONLY_NODES nodes the rows' instead,
+solver/peak_rows.py `lowest_peak_by_rows`), equal_spacing's lowest-peak plan, and on small coarse
 graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
-minimise M), each with its peak then lowered by local moves (solver/peak_relief.py). plan.details["peak_lower_bound"] is the relaxation's bound: no schedule whose first
-computations follow the graph's order peaks below it, so a budget under it is infeasible as a
-fact. Cached per graph object and options: min_feasible_budget and solve's last fallback read the
+minimise M), each with its peak then lowered by local moves (solver/peak_relief.py).
+plan.details["peak_lower_bound"] is the larger of the relaxation's bound and the rows' floor: no
+schedule whose first computations follow the graph's order peaks below it, so a budget under it
+is infeasible as a fact. Cached per graph object and options: min_feasible_budget and solve's last fallback read the
 same entry, so every budget at or above the one reported is a budget solve accepts.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedule
 from remat.solver.checkmate_certified import certified_search
 from remat.solver.guided import descend, lowest_peak_search
 from remat.solver.peak_relief import relieve_peak
+from remat.solver.peak_rows import lowest_peak_by_rows, peak_floor
 from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
@@ -36,6 +39,7 @@ __all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX
 MILP_MAX_COARSE_NODES = 64  # the min-peak MILP runs on coarse graphs up to this size
 DESCEND_MAX_NODES = 1500  # graphs up to this size: the lowest peak is pushed down by the certified search
 DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
+ROWS_ONLY_NODES = 1000  # larger graphs: the rows' floor and low-peak search (solver/peak_rows.py) only
 
 
 def min_peak_plan(graph: TrainingGraph, g: TrainingGraph, backend: str, limits: Limits,
@@ -82,10 +86,16 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
         milp = min_peak_plan(graph, g, name, cut_to_deadline(limits, deadline), log)
         if milp is not None:
             cands.append((milp.predicted_peak_bytes, "min_peak_milp", milp))
-    # the relaxation's low-peak schedule, and equal_spacing's lowest-peak plan: valid answers too
-    sched, bound = lowest_peak_search(graph)
+    # the relaxation's low-peak schedule (on large graphs the rows' instead: the whole step's
+    # relaxation takes minutes and GBs there), and equal_spacing's lowest-peak plan: valid answers too
+    if len(graph.nodes) > ROWS_ONLY_NODES:
+        sched, bound = lowest_peak_by_rows(graph)
+        source = "rows"
+    else:
+        sched, bound = lowest_peak_search(graph)
+        bound, source = max(bound, peak_floor(graph)), "relaxation"
     guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
-    cands.append((guided.predicted_peak_bytes, "relaxation", guided))
+    cands.append((guided.predicted_peak_bytes, source, guided))
     es = replace(equal_spacing.solve(graph, LOWEST_PEAK), strategy="checkmate", status=PlanStatus.FEASIBLE)
     cands.append((es.predicted_peak_bytes, "equal_spacing", es))
     cands = [_relieved(graph, *c) for c in cands]
@@ -103,7 +113,7 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
             cands.append((found.predicted_peak_bytes, "certified", found))
     failed = [a for a in log if "error" in a]
     _, source, chosen = min(cands, key=lambda c: (c[0], c[2].extra_cost))
-    source = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)",
+    source = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)", "rows": "rows (lowest peak)",
               "equal_spacing": "equal_spacing (lowest peak)", "certified": "certified search"}[source]
     if "peak_relieved_from" in chosen.details:
         source += ", peak relieved"

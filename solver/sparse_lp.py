@@ -76,6 +76,22 @@ class SparseModel:
         self._lo.append(lo)
         self._hi.append(hi)
 
+    def violations(self, x, tol: float = 1e-7) -> list[str]:
+        """The rows and variable bounds the point `x` breaks, beyond a relative tolerance (the
+        tests' check that a model is a relaxation: every real schedule's point satisfies it)."""
+        starts = self._starts + [len(self._index)]
+        index, value = np.array(self._index, dtype=np.int64), np.array(self._value, float)
+        x = np.asarray(x, float)
+        out = []
+        for r in range(self.num_rows):
+            a = float(np.dot(value[starts[r]:starts[r + 1]], x[index[starts[r]:starts[r + 1]]]))
+            lo, hi = self._lo[r], self._hi[r]
+            scale = 1 + max(abs(b) for b in (lo, hi, a) if math.isfinite(b))
+            if a < lo - tol * scale or a > hi + tol * scale:
+                out.append(f"row {r}: {lo} <= {a} <= {hi}")
+        out += [f"var {j}" for j in range(self.num_vars) if not self.lb[j] - 1e-9 <= x[j] <= self.ub[j] + 1e-9]
+        return out
+
     def highs(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
               mip_gap: float = 1e-6, msg: bool = False, extra_rows: list | None = None):
         """A HiGHS instance holding the model (the LP relaxation unless integral), single-threaded

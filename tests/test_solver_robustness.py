@@ -113,7 +113,8 @@ def test_every_backend_failing_gives_the_heuristic_plan(monkeypatch, how):
     with pytest.warns(SolverFallbackWarning, match="answering with the best heuristic plan"):
         plan = checkmate.solve(g, budget, coarsen_to=40)
     sim = _fits(g, plan, budget)
-    assert plan.status == "feasible" and plan.strategy == "checkmate"
+    # the MILP gave nothing; the rows' bound may still prove the fallback plan optimal
+    assert plan.status == ("optimal" if plan.gap <= 1e-4 else "feasible") and plan.strategy == "checkmate"
     assert plan.details["fallback"]["reason"].startswith("every backend failed")
     assert sim.extra_cost <= es.extra_cost  # equal_spacing's plan, refined on the fine graph
     assert len(plan.details["attempts"]) >= 1
@@ -135,7 +136,7 @@ def test_node_limit_without_incumbent_is_not_a_failure(monkeypatch):
         warnings.simplefilter("error", SolverFallbackWarning)
         plan = checkmate.solve(g, budget, coarsen_to=40)
     _fits(g, plan, budget)
-    assert len(tried) == 1 and plan.status == "feasible"
+    assert len(tried) == 1 and plan.status == ("optimal" if plan.gap <= 1e-4 else "feasible")
     assert plan.details["fallback"]["reason"] == "no incumbent within the MILP's node limit"
 
 
@@ -256,8 +257,8 @@ def test_smallest_budget_is_accepted_even_if_a_second_search_would_differ(monkey
     assert m < equal_spacing.solve(g, 0).predicted_peak_bytes  # the MILP's plan, not equal_spacing's
     plan = api.solve(g, m, coarsen_to=30)
     _fits(g, plan, m)
-    # the lowest-peak plan answers, unless the relaxation's search found one at least as good
-    assert plan.details["refined_from"] in ("lowest_peak", "relaxation")
+    # the lowest-peak plan answers, unless the relaxation's or the rows' search found one at least as good
+    assert plan.details["refined_from"] in ("lowest_peak", "relaxation", "peak_rows")
 
 
 def test_smallest_budget_is_accepted_when_every_backend_fails(monkeypatch):

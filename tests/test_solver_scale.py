@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import math
 import random
 
 import numpy as np
@@ -59,18 +58,7 @@ def encoder_decoder(enc: int = 2, dec: int = 2, seed: int = 0):
 
 def violations(rel, x) -> list[str]:
     """Rows and bounds the point breaks (with a relative tolerance)."""
-    m = rel.model
-    starts = m._starts + [len(m._index)]
-    index, value = np.array(m._index), np.array(m._value)
-    out = []
-    for r in range(m.num_rows):
-        a = float(np.dot(value[starts[r]:starts[r + 1]], x[index[starts[r]:starts[r + 1]]]))
-        lo, hi = m._lo[r], m._hi[r]
-        scale = 1 + max(abs(b) for b in (lo, hi, a) if math.isfinite(b))
-        if a < lo - 1e-7 * scale or a > hi + 1e-7 * scale:
-            out.append(f"row {r}: {lo} <= {a} <= {hi}")
-    out += [f"var {j}" for j in range(m.num_vars) if not m.lb[j] - 1e-9 <= x[j] <= m.ub[j] + 1e-9]
-    return out
+    return rel.model.violations(x)
 
 
 def _convnet():

@@ -1,0 +1,112 @@
+"""The rows' model (solver/peak_rows.py) is a relaxation, and what it proves holds.
+
+Every schedule whose first computations follow the graph's order and that fits the budget must be
+a point of the model of the rows keep-all puts over that budget, at an objective no higher than
+its extra cost (checked on random schedules of chains, random DAGs, transformer-like stacks and
+graphs with multi-output nodes); so the bound never exceeds the brute-force optimum, the plans
+fit, and a budget the rows call infeasible is one the brute force finds nothing for.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from remat.core.simulator import simulate
+from remat.core.training_graph import Node, TrainingGraph
+from remat.solver import checkmate
+from remat.solver.peak_rows import over_budget_rows, peak_rows_search, point_of_schedule, rows_model
+from remat.solver.schedule import keep_all_schedule
+from tests.conftest import brute_force, random_dag, random_schedule, training_chain, transformer_like
+
+
+def _multi_output(seed: int) -> TrainingGraph:
+    """A chain whose middle node has two outputs read by different backward nodes (out_parts)."""
+    rng = random.Random(seed)
+    f = [Node("a", "op", (), out_bytes=rng.randint(4, 20), cost=3.0),
+         Node("b", "op", ("a",), out_bytes=30, cost=5.0, out_parts=((10, ("c", "db")), (20, ("da",)))),
+         Node("c", "op", ("b",), out_bytes=rng.randint(4, 20), cost=2.0),
+         Node("d", "op", ("c",), out_bytes=rng.randint(4, 20), cost=4.0, kept_bytes=1)]
+    b = [Node("dd", "bwd", ("d",), out_bytes=8, cost=4.0, is_backward=True),
+         Node("dc", "bwd", ("dd", "c"), out_bytes=8, cost=4.0, is_backward=True),
+         Node("db", "bwd", ("dc", "b"), out_bytes=8, cost=4.0, is_backward=True),
+         Node("da", "bwd", ("db", "b", "a"), out_bytes=8, cost=4.0, is_backward=True)]
+    return TrainingGraph(nodes=tuple(f + b), resident_bytes=5, name=f"multi_output_s{seed}")
+
+
+GRAPHS = [training_chain(6, 1, random_at=(2,)), training_chain(9, 2), random_dag(14, 0), random_dag(30, 3),
+          transformer_like(2, seed=1), _multi_output(0), _multi_output(1)]
+
+
+@pytest.mark.parametrize("g", GRAPHS, ids=lambda g: g.name)
+def test_every_fitting_schedule_is_a_point_of_the_rows_model(g):
+    rng = random.Random(len(g.nodes))
+    checked = 0
+    for p in (0.0, 0.1, 0.25, 0.4, 0.6):
+        for _ in range(3):
+            sched = random_schedule(g, rng, p)
+            sim = simulate(g, sched)
+            rows = over_budget_rows(g, sim.peak_bytes)  # the schedule fits its own peak
+            if not rows:
+                continue
+            assert all(w.capacity >= 0 for w in rows)
+            for chosen in (rows, rows[:1], rows[-1:], rows[::2]):
+                rm = rows_model(g, chosen)
+                x = point_of_schedule(rm, g, sched)
+                assert rm.model.violations(x) == [], (g.name, p, len(chosen))
+                assert float(np.dot(rm.model.cost, x)) * rm.cost_scale <= sim.extra_cost * (1 + 1e-9) + 1e-9
+            res = peak_rows_search(g, sim.peak_bytes)
+            assert res.bound <= sim.extra_cost + 1e-9
+            checked += 1
+    assert checked >= 3  # the random schedules did put some rows over their own peaks
+
+
+# chains: one topological order, so the brute force's optimum is in the bound's scope (first
+# computations in the graph's order; on a DAG it may reorder them and cost less than the bound),
+# and single-output nodes (the brute force frees a node's outputs together, not part by part)
+@pytest.mark.parametrize("g", [training_chain(6, 1, random_at=(2,)), training_chain(8, 2), training_chain(7, 4)],
+                         ids=lambda g: g.name)
+def test_bound_and_plans_against_brute_force(g):
+    lo, _ = brute_force(g, None, objective="peak")
+    hi = simulate(g, keep_all_schedule(g)).peak_bytes
+    for budget in sorted({lo, lo + 1, (lo + hi) // 2, hi - 1}):
+        best, _ = brute_force(g, budget)
+        res = peak_rows_search(g, budget)
+        if best is None:
+            assert res.schedule is None
+            continue
+        assert res.bound <= best - g.total_cost + 1e-9
+        if res.schedule is not None:
+            sim = simulate(g, res.schedule)
+            assert sim.peak_bytes <= budget and sim.extra_cost == pytest.approx(res.extra_cost)
+            assert res.extra_cost >= best - g.total_cost - 1e-9
+    # a budget the rows prove infeasible has no schedule at all
+    res = peak_rows_search(g, lo - 1)
+    assert brute_force(g, lo - 1)[0] is None
+    assert res.schedule is None
+
+
+def test_a_dominant_loss_head_is_proved_optimal_by_its_row():
+    # a language model's shape: many layers of cheap, large activations and one huge head at the
+    # end of the forward; the budget only bites at the head, so its row decides the plan
+    fwd = [Node("x0", "op", (), out_bytes=100, cost=10.0)]
+    for i in range(1, 9):
+        fwd.append(Node(f"n{i}", "norm", (f"x{i - 1}",), out_bytes=100, cost=1.0))
+        fwd.append(Node(f"x{i}", "mm", (f"n{i}",), out_bytes=100, cost=50.0))
+    fwd.append(Node("logits", "mm", ("x8",), out_bytes=2000, cost=200.0))
+    fwd.append(Node("loss", "ce", ("logits",), out_bytes=4, cost=20.0, kept_bytes=4))
+    bwd = [Node("dlogits", "bwd", ("loss", "logits"), out_bytes=2000, cost=40.0, is_backward=True),
+           Node("dx8", "bwd", ("dlogits", "x8"), out_bytes=100, cost=400.0, is_backward=True)]
+    for i in range(8, 0, -1):
+        bwd.append(Node(f"dn{i}", "bwd", (f"dx{i}", f"n{i}"), out_bytes=100, cost=100.0, is_backward=True))
+        bwd.append(Node(f"dx{i - 1}", "bwd", (f"dn{i}", f"x{i - 1}"), out_bytes=100, cost=2.0, is_backward=True))
+    g = TrainingGraph(nodes=tuple(fwd + bwd), resident_bytes=0, name="lm_head")
+    keep = simulate(g, keep_all_schedule(g)).peak_bytes
+    budget = keep - 500
+    plan = checkmate.solve(g, budget)
+    assert plan.fits and plan.status == "optimal"
+    assert plan.details["bound_source"].startswith("peak rows")
+    assert "certify" not in plan.details  # the whole step's relaxation was not needed
+    assert plan.extra_cost == pytest.approx(5.0)  # five norms recomputed, the cheapest 500 bytes
+    assert plan.lower_bound == pytest.approx(5.0, rel=1e-6)
