@@ -370,7 +370,7 @@ def peak_floor(graph: TrainingGraph) -> int:
     return max((-w.capacity for w in over_budget_rows(graph, 0)), default=0)
 
 
-def lowest_peak_by_rows(graph: TrainingGraph, probes: int = 14) -> tuple[list[str], int]:
+def lowest_peak_by_rows(graph: TrainingGraph, probes: int = 10) -> tuple[list[str], int]:
     """A low-peak schedule without the whole step's relaxation, and the proven floor of
     `peak_floor`: the floor itself, then bisection between it and keep-all's peak (to within
     0.1%), each probe budget tried by guided.fit from nothing (the cheapest values per byte
