@@ -99,12 +99,14 @@ def solve_row(path: Path, name: str, frac: float, at: int | None) -> dict:
     p = checkmate.solve(g, budget)
     d, total = p.details, max(g.total_cost, 1e-12)
     # the largest model solved: the whole step's relaxation when it was built, else the rows' largest
-    rel = d.get("relaxation") or max((d.get("peak_rows") or {}).get("solves") or [{}],
-                                     key=lambda e: e.get("variables", 0))
+    rel = d.get("relaxation") or {}
+    if not rel:  # the rows' models: "constraints" are their rows ("rows" is how many steps one covers)
+        biggest = max((d.get("peak_rows") or {}).get("solves") or [{}], key=lambda e: e.get("variables", 0))
+        rel = {"variables": biggest.get("variables"), "rows": biggest.get("constraints")}
     return {"nodes": len(g.nodes), "budget": budget, "s": round(time.perf_counter() - t0, 1), "status": str(p.status),
             "extra": 100 * p.extra_cost / total if p.fits else None,
             "bound": 100 * (p.lower_bound or 0) / total if p.fits else None, "gap": p.gap,
-            "vars": rel.get("variables"), "rows": rel.get("rows") or rel.get("constraints"),
+            "vars": rel.get("variables"), "rows": rel.get("rows"),
             "bound_source": d.get("bound_source"),
             "stopped_by": (d.get("certify") or {}).get("stopped_by"),
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}
