@@ -37,7 +37,8 @@ from remat.core.simulator import simulate
 __all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES"]
 
 MILP_MAX_COARSE_NODES = 64  # the min-peak MILP runs on coarse graphs up to this size
-DESCEND_MAX_NODES = 1000  # graphs up to this size: the lowest peak is pushed down by the certified search (larger: see ROWS_ONLY_NODES)
+# graphs up to this size: the lowest peak is pushed down by the certified search (larger: ROWS_ONLY_NODES)
+DESCEND_MAX_NODES = 1000
 DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
 ROWS_ONLY_NODES = 1000  # larger graphs: the rows' floor and low-peak search (solver/peak_rows.py) only
 
