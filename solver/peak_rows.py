@@ -56,9 +56,10 @@ from remat.solver.schedule import keep_all_schedule
 from remat.solver.sparse_lp import SparseModel
 
 __all__ = ["Row", "RowsModel", "PeakRowsResult", "over_budget_rows", "rows_model", "peak_rows_search", "MAX_ROWS",
-           "SINGLE_MILPS", "SINGLE_MAX_NODES", "point_of_schedule", "peak_floor", "lowest_peak_by_rows"]
+           "SINGLE_MILPS", "SINGLE_MAX_NODES", "MILP_SAFETY", "point_of_schedule", "peak_floor", "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
+MILP_SAFETY = 1e-5  # relative margin taken off a MILP's dual bound (HiGHS's MILP tolerances are 1e-6)
 SINGLE_MILPS = 3  # rows of largest LP bound whose own MILP is solved and made a plan
 # branch-and-bound nodes of a single row's MILP (a work limit: the plan must not depend on the
 # machine's load). The search solves single rows only: the model of 48 rows together raised the
@@ -224,9 +225,10 @@ def _chosen_rows(rows: list[Row], limit: int) -> list[Row]:
     return sorted(top + [rest[int(j * stride)] for j in range(limit - len(top))], key=lambda w: w.step)
 
 
-def _bound(value: float, rm: RowsModel, graph: TrainingGraph) -> float:
-    """A model's optimum in cost units, less a margin for the solver's tolerances."""
-    return max(0.0, value * rm.cost_scale * (1 - SAFETY) - SAFETY * 1e-3 * graph.total_cost)
+def _bound(value: float, rm: RowsModel, graph: TrainingGraph, margin: float = SAFETY) -> float:
+    """A model's optimum in cost units, less a margin for the solver's tolerances (`margin`
+    relative; a MILP's dual bound is only as exact as its feasibility tolerance, MILP_SAFETY)."""
+    return max(0.0, value * rm.cost_scale * (1 - margin) - SAFETY * 1e-3 * graph.total_cost)
 
 
 def _plan(graph: TrainingGraph, rm: RowsModel, x, budget: int) -> list[str] | None:
@@ -284,7 +286,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress) -> PeakRo
         if sol.status == "infeasible":
             details["infeasible_row"] = ", ".join(names[w.step].name for w in rm.rows[:3])
             return None
-        bound = _bound(sol.bound, rm, graph) if sol.bound is not None and math.isfinite(sol.bound) else 0.0
+        margin = MILP_SAFETY if integral else SAFETY
+        bound = _bound(sol.bound, rm, graph, margin) if sol.bound is not None and math.isfinite(sol.bound) else 0.0
         entry["bound"] = bound
         found["bound"] = max(found["bound"], bound)
         if integral and sol.x is not None:
@@ -312,6 +315,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress) -> PeakRo
         if sched is not None and found["cost"] - found["bound"] > mip_gap * found["cost"] + 1e-12:
             sched = drop_recomputations(graph, sched, budget)
             found.update(schedule=sched, cost=simulate(graph, sched).extra_cost)
+        # a bound over the plan found is the tolerances' doing (the plan is a schedule in scope)
+        found["bound"] = min(found["bound"], found["cost"])
         details.update(bound=found["bound"], s=round(time.perf_counter() - t0, 3))
         return PeakRowsResult(found["bound"], found["schedule"], found["cost"], details)
 
