@@ -59,7 +59,7 @@ __all__ = ["Row", "RowsModel", "PeakRowsResult", "over_budget_rows", "rows_model
            "SINGLE_MILPS", "SINGLE_MAX_NODES", "MILP_SAFETY", "point_of_schedule", "peak_floor", "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
-MILP_SAFETY = 1e-5  # relative margin taken off a MILP's dual bound (HiGHS's MILP tolerances are 1e-6)
+MILP_SAFETY = 5e-7  # relative margin taken off a MILP's dual bound (HiGHS's tolerances); the bound never exceeds the rows' own plan either
 SINGLE_MILPS = 3  # rows of largest LP bound whose own MILP is solved and made a plan
 # branch-and-bound nodes of a single row's MILP (a work limit: the plan must not depend on the
 # machine's load). The search solves single rows only: the model of 48 rows together raised the
