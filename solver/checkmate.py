@@ -37,7 +37,7 @@ from remat.solver.backends import available as backend_available
 from remat.solver.backends import attempts, default_backend
 from remat.solver.checkmate_attempts import (MIN_NODES, NODE_WORK, SolverFallbackWarning, cut_to_deadline,
                                              make_limits, node_limit, solve_milp, warn_fallback)
-from remat.solver.checkmate_certified import certified_search
+from remat.solver.checkmate_certified import RELAXATION_MAX_NODES, certified_search
 from remat.solver.checkmate_lowest import MILP_MAX_COARSE_NODES, lowest_peak_plan, min_feasible_budget
 from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, set_start, solution_stages
 from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph, judge_schedules,
@@ -52,11 +52,6 @@ __all__ = ["Options", "solve", "min_feasible_budget", "node_limit", "SolverFallb
            "NODE_WORK", "MIN_NODES", "MILP_MAX_COARSE_NODES"]
 
 BASELINES_MAX_NODES = 1000  # larger graphs: the baselines only when the certified search finds nothing
-# Larger graphs skip the certified search: its relaxation of the whole step grows with nodes times
-# the steps they live (Llama-3.2-1B's 1,825 nodes: 2.1M variables and minutes; Mistral-7B's 3,601
-# at its smallest budget: over 16 GB before its first LP). The rows' bound (solver/peak_rows.py)
-# and plans answer there, with the gap they prove.
-CERTIFY_MAX_NODES = 1000
 TINY = 1e-12
 
 
@@ -211,11 +206,11 @@ def _certify(graph, budget_bytes, refined, details, *, mip_gap, max_iterations, 
     if rows.schedule is not None:
         refined["peak_rows"] = (rows.schedule, simulate(graph, rows.schedule))
     best = best_cost()
-    large = len(graph.nodes) > CERTIFY_MAX_NODES
+    large = len(graph.nodes) > RELAXATION_MAX_NODES
     if best - rows.bound <= mip_gap * best + TINY or large:
         details["bound_source"] = "peak rows: the row models of the steps keep-all puts over the budget"
         if large:
-            details["certify_skipped"] = (f"{len(graph.nodes)} nodes > {CERTIFY_MAX_NODES}: the whole step's relaxation "
+            details["certify_skipped"] = (f"{len(graph.nodes)} nodes > {RELAXATION_MAX_NODES}: the whole step's relaxation "
                                           "is not built (millions of variables and GBs at this size)")
         return rows.bound, False
     starts = [(n, r) for n, (r, _) in refined.items()]

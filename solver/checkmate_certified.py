@@ -23,7 +23,8 @@ from remat.solver.guided import best_guided
 from remat.solver.relaxation import Relaxation
 from remat.core.simulator import simulate
 
-__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS"]
+__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
+           "RELAXATION_MAX_NODES"]
 
 PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
@@ -31,6 +32,11 @@ MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit
 
 WORK_FACTOR = 30  # the branch and bound's simplex iterations, at most, in root LPs' worth
 WORK_ROWS = 6e9  # ... and at most WORK_ROWS / rows iterations (an iteration's cost grows with the rows)
+# Graphs over this size never get the whole step's relaxation (this search, and the lowest peak's):
+# it grows with nodes times the steps they live (Llama-3.2-1B's 1,825 nodes: 2.1M variables and
+# minutes; Mistral-7B's 3,601 at its smallest budget: over 16 GB before its first LP). The rows'
+# bound and plans (solver/peak_rows.py) answer there, with the gap they prove.
+RELAXATION_MAX_NODES = 1000
 
 
 @dataclass

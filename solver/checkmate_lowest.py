@@ -2,7 +2,7 @@
 bound on any plan's peak.
 
 Candidates, whichever peaks lowest on the fine graph: the relaxation's low-peak schedule
-(solver/guided.py `lowest_peak_search`; on graphs over ROWS_ONLY_NODES nodes the rows' instead,
+(solver/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the rows' instead,
 solver/peak_rows.py `lowest_peak_by_rows`), equal_spacing's lowest-peak plan, and on small coarse
 graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
 minimise M), each with its peak then lowered by local moves (solver/peak_relief.py).
@@ -26,7 +26,7 @@ from remat.solver.checkmate_attempts import cut_to_deadline, make_limits, solve_
 from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, set_start, solution_stages
 from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph,
                                            plan_from_stages, stages_of)
-from remat.solver.checkmate_certified import certified_search
+from remat.solver.checkmate_certified import RELAXATION_MAX_NODES, certified_search
 from remat.solver.guided import descend, lowest_peak_search
 from remat.solver.peak_relief import relieve_peak
 from remat.solver.peak_rows import lowest_peak_by_rows, peak_floor
@@ -37,10 +37,8 @@ from remat.core.simulator import simulate
 __all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES"]
 
 MILP_MAX_COARSE_NODES = 64  # the min-peak MILP runs on coarse graphs up to this size
-# graphs up to this size: the lowest peak is pushed down by the certified search (larger: ROWS_ONLY_NODES)
-DESCEND_MAX_NODES = 1000
+# on graphs up to RELAXATION_MAX_NODES nodes the lowest peak is pushed down by the certified search
 DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
-ROWS_ONLY_NODES = 1000  # larger graphs: the rows' floor and low-peak search (solver/peak_rows.py) only
 
 
 def min_peak_plan(graph: TrainingGraph, g: TrainingGraph, backend: str, limits: Limits,
@@ -89,7 +87,7 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
             cands.append((milp.predicted_peak_bytes, "min_peak_milp", milp))
     # the relaxation's low-peak schedule (on large graphs the rows' instead: the whole step's
     # relaxation takes minutes and GBs there), and equal_spacing's lowest-peak plan: valid answers too
-    if len(graph.nodes) > ROWS_ONLY_NODES:
+    if len(graph.nodes) > RELAXATION_MAX_NODES:
         sched, bound = lowest_peak_by_rows(graph)
         source = "rows"
     else:
@@ -101,12 +99,12 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     cands.append((es.predicted_peak_bytes, "equal_spacing", es))
     # on a large graph local moves cost minutes (Mistral-7B-like, 3,601 nodes): there they are
     # skipped once a candidate is within DESCEND_GAP of the floor (they could win at most that)
-    if len(graph.nodes) <= ROWS_ONLY_NODES or min(c[0] for c in cands) > bound * (1 + DESCEND_GAP):
+    if len(graph.nodes) <= RELAXATION_MAX_NODES or min(c[0] for c in cands) > bound * (1 + DESCEND_GAP):
         cands = [_relieved(graph, *c) for c in cands]
     best = min(cands, key=lambda c: (c[0], c[2].extra_cost))
     # the certified search, one byte under the best peak at a time, only where the best peak is not
     # already within DESCEND_GAP of the bound (there it costs the most and finds the least)
-    if len(graph.nodes) <= DESCEND_MAX_NODES and best[0] > bound * (1 + DESCEND_GAP):
+    if len(graph.nodes) <= RELAXATION_MAX_NODES and best[0] > bound * (1 + DESCEND_GAP):
         def search(budget):
             res = certified_search(graph, budget, starts=[])
             return res.schedule, math.isinf(res.bound)
