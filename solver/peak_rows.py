@@ -101,24 +101,30 @@ def _part_bytes(v) -> list[int]:
     return [b for b, _ in v.out_parts] if v.out_parts else [v.out_bytes]
 
 
-def over_budget_rows(graph: TrainingGraph, budget: int) -> list[Row]:
-    """The steps of keep-all over `budget`, each with the parts a schedule may drop there."""
+def _keep_all_steps(graph: TrainingGraph):
+    """Each step t of keep-all as (t, memory while it runs, the live parts as (node, part) ->
+    bytes, the droppable ones among them). The live dict is the walk's own, changed after each
+    step: copy what must outlive it."""
     order = keep_all_schedule(graph)
     timeline = simulate(graph, order).timeline
     nodes, idx = graph.nodes, graph.index
     frees = last_reads(graph, order)
     live: dict[tuple[int, int], int] = {}
-    rows = []
     for t, v in enumerate(nodes):
-        if timeline[t] > budget:
-            read = {(idx[i], k) for i in v.inputs for k in parts_read(graph.node(i), v.name)}
-            items = frozenset(p for p, b in live.items() if b > 0 and p not in read and nodes[p[0]].recomputable)
-            rows.append(Row(t, timeline[t] - budget, dict(live), items))
+        read = {(idx[i], k) for i in v.inputs for k in parts_read(graph.node(i), v.name)}
+        items = [p for p, b in live.items() if b > 0 and p not in read and nodes[p[0]].recomputable]
+        yield t, timeline[t], live, items
         for k, b in enumerate(_part_bytes(v)):
             live[t, k] = b
         for name, k in frees[t]:
             live.pop((idx[name], k), None)
-    return rows
+
+
+def over_budget_rows(graph: TrainingGraph, budget: int, steps=None) -> list[Row]:
+    """The steps of keep-all over `budget` (only those in `steps`, if given), each with the parts a
+    schedule may drop there."""
+    return [Row(t, mem - budget, dict(live), frozenset(items)) for t, mem, live, items in _keep_all_steps(graph)
+            if mem > budget and (steps is None or t in steps)]
 
 
 @dataclass
@@ -372,7 +378,7 @@ def peak_floor(graph: TrainingGraph) -> int:
     """A proven lower bound on the peak of every schedule whose first computations follow the
     graph's order: at each step, what every such schedule holds there (the step's memory under
     keep-all less every part it could drop), the largest over the steps."""
-    return max((-w.capacity for w in over_budget_rows(graph, 0)), default=0)
+    return max((mem - sum(live[p] for p in items) for _, mem, live, items in _keep_all_steps(graph)), default=0)
 
 
 def lowest_peak_by_rows(graph: TrainingGraph, probes: int = 10) -> tuple[list[str], int]:
