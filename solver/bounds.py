@@ -120,10 +120,20 @@ def point_of_schedule(rel: Relaxation, schedule: list[str]) -> np.ndarray:
         return any(p <= pos < f for p, f in spans.get((u, k), ()))
 
     at = {s: tau[s] for s in range(n)}  # state -> schedule position it stands for
-    for gi, (a, b, _, parts) in rel.sitting.items():
-        keys = [key for key in rel.L if key[2] == n + gi]
-        best = min(range(a, b + 1), key=lambda t: sum(rel.P[u][k] * live(u, k, tau[t]) for u, k, _ in keys))
-        at[n + gi] = tau[best]
+    # sitting states over the same rows stand for one row: the one where their modelled parts
+    # hold the least memory together (so the memory row of every one of those rows holds)
+    keys_of: dict = {}
+    for (u, k, s) in rel.L:
+        if s >= n:
+            keys_of.setdefault(s, []).append((u, k))
+    by_span: dict = {}
+    for j, (_, a, b) in enumerate(rel.sit):
+        by_span.setdefault((a, b), []).append(n + j)
+    for (a, b), states in by_span.items():
+        keys = [key for s in states for key in keys_of.get(s, ())]
+        best = min(range(a, b + 1), key=lambda t: sum(rel.P[u][k] * live(u, k, tau[t]) for u, k in keys))
+        for s in states:
+            at[s] = tau[best]
     at[-1] = math.inf
     x = np.zeros(rel.model.num_vars)
     if rel.peak is not None:
@@ -140,11 +150,10 @@ def point_of_schedule(rel: Relaxation, schedule: list[str]) -> np.ndarray:
         a = rel.interval[u, b][0]
         x[col] = float(any(at[a] < p <= at[b] for p in comps[u]))
     ms = rel.mem_scale
-    for gi, (_, _, M, parts) in rel.sitting.items():
+    for j, (_, _, M, parts) in rel.sitting.items():
         x[M] = sum(bts / ms * x[col] for col, bts in parts)
     for t, (W, ys) in rel.W.items():
-        total = sum(x[rel.sitting[gi][2]] for gi in rel.sitting
-                    if rel.sitting[gi][0] <= t <= rel.sitting[gi][1])
+        total = sum(x[M] for a, b, M, _ in rel.sitting.values() if a <= t <= b)
         for y, u, k, read in ys:
             if y is None:  # a non-recomputable part: its L
                 total += rel.P[u][k] / ms * x[rel.L[u, k, t]]

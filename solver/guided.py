@@ -16,15 +16,17 @@ from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.relaxation import SAFETY, Relaxation
 from remat.solver.simulator import simulate
 
-__all__ = ["schedule_from_live", "drops_at", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS"]
+__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS"]
 
 THRESHOLDS = (0.9, 0.5)
 
 
-def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool = True) -> list[str]:
+def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool = True,
+                       before: list[list[int]] | None = None) -> list[str]:
     """The schedule that computes the nodes in order, forgets after row t every value in
-    drops[t] (index of a recomputable node), and recomputes a forgotten input right before the
-    step that reads it (its own forgotten inputs first); unread instances pruned if `prune`."""
+    drops[t] (index of a recomputable node), recomputes before row t the values in before[t]
+    (if given), and recomputes a forgotten input right before the step that reads it (its own
+    forgotten inputs first); unread instances pruned if `prune`."""
     nodes, idx = graph.nodes, graph.index
     inputs = [[idx[i] for i in v.inputs] for v in nodes]
     valid = [False] * len(nodes)
@@ -44,6 +46,10 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
             stack.extend((i, False) for i in inputs[w] if not valid[i])
 
     for t, v in enumerate(nodes):
+        for u in (before[t] if before else ()):
+            if u < t:
+                valid[u] = False  # a new instance, computed here as the relaxation does
+                ensure(u)
         for i in inputs[t]:
             ensure(i)
         sched.append(v.name)
@@ -53,18 +59,35 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
     return prune_unread(graph, sched) if prune else sched
 
 
+def recomputations_at(rel: Relaxation, x: np.ndarray, threshold: float) -> list[list[int]]:
+    """before[t]: the values the relaxation computes again in an interval that ends at row t
+    (above `threshold`), in graph order; one that ends at a sitting state: at the start of its
+    rows (its values are live over them)."""
+    before: list[set[int]] = [set() for _ in range(rel.n)]
+    for (u, b), col in rel.R.items():
+        if b >= 0 and x[col] > threshold:
+            row = b if b < rel.n else rel.sit[b - rel.n][1]
+            before[row].add(u)
+    return [sorted(s) for s in before]
+
+
 def drops_at(rel: Relaxation, x: np.ndarray, threshold: float) -> list[set[int]]:
     """drops[t]: the recomputable values the relaxation keeps live after row t below `threshold`
     and computes again later above 1 - threshold (a value is dropped when any of its parts is)."""
     drops: list[set[int]] = [set() for _ in range(rel.n)]
     for (u, k, t), col in rel.L.items():
-        c = rel.C.get((u, t))  # not needed there unless C: the relaxation need not keep it
-        if rel.rec[u] and x[col] < threshold and c is not None and x[c] > 1 - threshold:
-            drops[t if t < rel.n else rel.sit[t - rel.n][0] - 1].add(u)  # a sitting state: from its start
+        if not rel.rec[u] or x[col] >= threshold:
+            continue
+        row = t if t < rel.n else rel.sit[t - rel.n][1] - 1  # a sitting state: from its start
+        c = rel.C.get((u, t))  # needed later, not live: computed again (a forward row need not keep
+        # what only the backward reads, so without C it stays); read by no first computation: gone
+        if c is not None and x[c] > 1 - threshold or rel.lastrd[u][k] <= row:
+            drops[row].add(u)
     return drops
 
 
-def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: int = 60) -> list[str] | None:
+def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: int = 60,
+        before: list[list[int]] | None = None) -> list[str] | None:
     """Drop more values until the schedule fits `budget`. Each round simulates the schedule once
     and, at every step over the budget, forgets the live forward values with the least
     recomputation cost per byte, enough of them to cover that step's excess, after the last first
@@ -75,7 +98,7 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
     inputs = [{idx[i] for i in v.inputs} for v in nodes]
     drops = [set(d) for d in drops]
     for _ in range(max_rounds):
-        sched = schedule_from_live(graph, drops, prune=False)
+        sched = schedule_from_live(graph, drops, prune=False, before=before)
         sim = simulate(graph, sched)
         if sim.peak_bytes <= budget:
             return prune_unread(graph, sched)
@@ -112,19 +135,20 @@ def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: in
     what each threshold gave; None when none could be made to fit."""
     best, record = None, {}
     seen = set()
-    for th in thresholds:
+    for th, with_r in [(th, w) for th in thresholds for w in (True, False)]:
         drops = drops_at(rel, x, th)
-        key = tuple(frozenset(d) for d in drops)
+        before = recomputations_at(rel, x, th) if with_r else None
+        key = (tuple(frozenset(d) for d in drops), None if before is None else tuple(map(tuple, before)))
         if key in seen:
             continue
         seen.add(key)
-        sched = fit(graph, drops, budget)
+        sched = fit(graph, drops, budget, before=before)
         if sched is None:
-            record[th] = None
+            record[f"{th}{'R' if with_r else ''}"] = None
             continue
         sched = drop_recomputations(graph, sched, budget)
         sim = simulate(graph, sched)
-        record[th] = sim.extra_cost
+        record[f"{th}{'R' if with_r else ''}"] = sim.extra_cost
         if best is None or sim.extra_cost < best[1]:
             best = (sched, sim.extra_cost)
     return (best[0], record) if best else None

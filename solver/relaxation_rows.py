@@ -14,39 +14,41 @@ def build_rows(rel) -> None:
     ms = rel.mem_scale
     bases = rel._bases()
     carry: dict = {}  # (group, state) -> {u: deadline the state's C must reach}
-    closing = [[] for _ in range(n + 1)]
+    closing = [[] for _ in range(n + 1)]  # parts whose modelled life ends at a row
+    nonrec_closing = [[] for _ in range(n + 1)]
     open_by_group: dict = {}
     nonrec_open = 0  # bytes of non-recomputable parts some first computation at or after t reads
-    sitting_at = [[] for _ in range(n)]
-    for gi, s in enumerate(rel.sit):
-        if s is not None:
-            for t in range(s[0], s[1] + 1):
-                sitting_at[t].append(gi)
+    sitting_at = [[] for _ in range(n)]  # row -> sitting states (their ids j) covering it
+    for j, (_, a, b) in enumerate(rel.sit):
+        for t in range(a, b + 1):
+            sitting_at[t].append(j)
+    hold = rel.hold
     for t in range(n):
         if t:
             u = t - 1
             for k, b in enumerate(P[u]):
-                if lastrd[u][k] >= t:
-                    closing[lastrd[u][k]].append((u, k))
+                if hold[u][k] >= t:
+                    closing[hold[u][k]].append((u, k))
                     if grp[u] >= 0:
                         open_by_group.setdefault(grp[u], set()).add((u, k))
-                    if not rec[u]:
-                        nonrec_open += b
+                if not rec[u] and lastrd[u][k] >= t:
+                    nonrec_open += b
+                    nonrec_closing[lastrd[u][k]].append(b)
             for (u, k) in closing[t - 1]:
                 if grp[u] >= 0:
                     open_by_group[grp[u]].discard((u, k))
-                if not rec[u]:
-                    nonrec_open -= P[u][k]
-        for gi in sitting_at[t]:
-            if rel.sit[gi][0] == t:
-                _sitting_state(rel, gi, t, open_by_group.get(gi, set()), carry)
+            nonrec_open -= sum(nonrec_closing[t - 1])
+        for j in sitting_at[t]:
+            gi, a, _ = rel.sit[j]
+            if a == t:
+                _sitting_state(rel, j, t, open_by_group.get(gi, set()), carry)
         det = set(rel.run_at[t])
         read_t = set(rel.reads[t])
         Lt = _row_state(rel, t, det, open_by_group, carry)
         fixed = bases[t] + nodes[t].out_bytes + nodes[t].kept_bytes + nodes[t].workspace_bytes
         fixed += nonrec_open + sum(P[u][k] for u, k in read_t if rec[u])
         terms = [(col, P[u][k] / ms) for (u, k), col in Lt.items() if (u, k) not in read_t]
-        sits = [rel.sitting[gi][2] for gi in sitting_at[t] if gi in rel.sitting]
+        sits = [rel.sitting[j][2] for j in sitting_at[t]]
         terms += [(col, 1.0) for col in sits]
         if rel.peak is not None:  # the peak's model: every row at most the variable P
             m.row(terms + [(rel.peak, -1.0)], hi=-fixed / ms)
@@ -65,6 +67,8 @@ def build_rows(rel) -> None:
                         [(u, R) for u, R in ends if rel.interval[u, t][0] == t - 1])
         for gi in det:
             _carry(rel, gi, t, carry)
+    for col in rel.pending:
+        _depend(rel, col)
     for gi in range(len(rel.groups)):  # a computation after the last state still costs
         last = rel.chain_last[gi]
         for u in rel.members[gi]:
@@ -75,18 +79,25 @@ def build_rows(rel) -> None:
 
 
 def _R(rel, u: int, a: int, b: int) -> int:
-    """The variable 'u is computed in the interval (a, b]', costing c_u in the objective."""
+    """The variable 'u is computed in the interval (a, b]', costing c_u in the objective (made
+    once: a dependency may have made it before the link between a and b is built)."""
+    col = rel.R.get((u, b))
+    if col is not None:
+        assert rel.interval[u, b] == (a, b)
+        return col
     cost = 0.0 if rel.peak is not None else rel.g.nodes[u].cost / rel.cost_scale
     col = rel.model.var(0.0, 1.0, cost=cost, integral=True)
     rel.R[u, b] = col
+    rel.R_of[col] = (u, b)
     rel.interval[u, b] = (a, b)
     return col
 
 
-def _state(rel, s: int, need_rec: list, cset: set, seeds: dict, within: set, t: int) -> dict:
+def _state(rel, s: int, need_rec: list, cset: set, seeds: dict, within: set, t: int, held: list = ()) -> dict:
     """Variables and need/closure rows of state s: need_rec parts live or C; C for cset with
     deadlines (readers' deadlines propagate to their inputs; seeds carried from the previous
-    state); closure to inputs whose group is in `within`. Returns {(u, k): L column}."""
+    state); closure to inputs whose group is in `within`; an L for each `held` part (modelled,
+    not needed: its chain of keep rows goes on). Returns {(u, k): L column}."""
     m, rec, grp, lastrd = rel.model, rel.rec, rel.grp, rel.lastrd
     D = dict(seeds)
     for (u, k) in need_rec:
@@ -106,6 +117,8 @@ def _state(rel, s: int, need_rec: list, cset: set, seeds: dict, within: set, t: 
     for u, d in D.items():
         rel.C[u, s] = m.var(0.0, 1.0)
         rel.D[u, s] = d
+    for (u, k) in held:
+        L(u, k)
     for (u, k) in need_rec:
         m.row([(L(u, k), 1.0), (rel.C[u, s], 1.0)], lo=1.0)
     for v in cset:
@@ -136,28 +149,34 @@ def _closure(rel, roots, within: set) -> set:
 def _row_state(rel, t: int, det: set, open_by_group: dict, carry: dict) -> dict:
     """Row t's state for the groups modelled in detail there (closure across them)."""
     rec, lastrd = rel.rec, rel.lastrd
-    need_rec = [(u, k) for gi in det for (u, k) in open_by_group.get(gi, ()) if rec[u] and lastrd[u][k] > t]
+    opened = [(u, k) for gi in det for (u, k) in open_by_group.get(gi, ()) if rec[u]]
+    need_rec = [(u, k) for u, k in opened if lastrd[u][k] > t]
     if rel.fwd_reads_only and t <= rel.E:  # forward rows: only what the forward reads
         need_rec = [(u, k) for u, k in need_rec if rel._next_read(u, k, t) <= rel.E]
     seeds: dict = {}
     for gi in det:
         seeds.update(carry.pop((gi, t), {}))
     cset = _closure(rel, [u for u, _ in need_rec], det)
-    return _state(rel, t, need_rec, cset, seeds, det, t)
+    needed = set(need_rec)
+    held = [(u, k) for u, k in opened if (u, k) not in needed]  # modelled, so no chain breaks
+    return _state(rel, t, need_rec, cset, seeds, det, t, held)
 
 
-def _sitting_state(rel, gi: int, t0: int, open_parts: set, carry: dict) -> None:
-    """The group's one state over its sitting rows, and the column M of its live bytes there."""
+def _sitting_state(rel, j: int, t0: int, open_parts: set, carry: dict) -> None:
+    """Sitting state j: its group's one state over the sitting rows, and the column M of its live
+    bytes there."""
     m, rec, P = rel.model, rel.rec, rel.P
-    s = rel.n + gi
-    need_rec = [(u, k) for (u, k) in open_parts if rec[u]]
+    gi, a0, b0 = rel.sit[j]
+    s = rel.n + j
+    need_rec = [(u, k) for (u, k) in open_parts if rec[u] and rel.lastrd[u][k] >= t0]
+    held = [(u, k) for (u, k) in open_parts if rec[u] and rel.lastrd[u][k] < t0]
     seeds = carry.pop((gi, s), {})
     cset = _closure(rel, [u for u, _ in need_rec], {gi})
-    Ls = _state(rel, s, need_rec, cset, seeds, {gi}, t0)
+    Ls = _state(rel, s, need_rec, cset, seeds, {gi}, t0, held)
     parts = [(col, P[u][k]) for (u, k), col in Ls.items()]
     M = m.var(0.0, sum(b for _, b in parts) / rel.mem_scale)
     m.row([(M, 1.0)] + [(col, -b / rel.mem_scale) for col, b in parts], lo=0.0)
-    rel.sitting[gi] = (rel.sit[gi][0], rel.sit[gi][1], M, parts)
+    rel.sitting[j] = (a0, b0, M, parts)
     a = rel.chain_prev.get((gi, s))
     if a is not None:
         ends = _link(rel, gi, a, s, carry)
@@ -208,24 +227,50 @@ def _carry(rel, gi: int, s: int, carry: dict) -> None:
 
 
 def _dependencies(rel, b: int, ends: list, det: set) -> None:
-    """R[v,(a,b)] <= L[u,k,a] + R[u,(a,b)] for each input part of v modelled at a, when u's
-    chain has the same interval (its R made on demand)."""
+    """Queue the dependency rows of every R in `ends`: they are built once every state exists
+    (a dependency reaches states of other groups, some after b)."""
+    rel.pending.extend(Rv for _, Rv in ends)
+
+
+def _depend(rel, Rv: int) -> None:
+    """R[v,(a,b)] <= L[u,k,s0] + sum of R[u, I] over u's intervals from s0 on until they cover
+    (a, b], for each input part (u, k) of v: s0 is the last state of u's chain that stands for a
+    row at or before a's (its own chain's a when u is in v's group: Checkmate's dependency). If v
+    runs in (a, b], the instance of u it reads was computed in one of those intervals or before
+    s0, and is then live at s0. Every R this makes gets its dependency rows too."""
     m, rec, grp = rel.model, rel.rec, rel.grp
-    for v, Rv in ends:
+    todo = [Rv]
+    while todo:
+        col = todo.pop()
+        if col in rel.depends_done:
+            continue
+        rel.depends_done.add(col)
+        v, b = rel.R_of[col]
         a = rel.interval[v, b][0]
+        if b < 0:  # after the last state: no state bounds it
+            continue
         for u, k in set(rel.reads[v]):
-            if grp[u] not in det or rel.chain_prev.get((grp[u], b)) != a:
+            gi = grp[u]
+            if gi < 0:
                 continue
-            Lp = rel.L.get((u, k, a))
-            if Lp is None:
+            cover = rel.covering(gi, a, b) if gi != grp[v] else (a, [b])
+            if cover is None:
+                continue
+            s0, ends = cover
+            Lp = rel.L.get((u, k, s0))
+            if Lp is None:  # not modelled there (not computed yet, or past its hold): nothing said
                 continue
             if not rec[u]:
-                m.row([(Rv, 1.0), (Lp, -1.0)], hi=0.0)
+                m.row([(col, 1.0), (Lp, -1.0)], hi=0.0)
                 continue
-            Ru = rel.R.get((u, b))
-            if Ru is None:
-                Ru = _R(rel, u, a, b)
-            m.row([(Rv, 1.0), (Lp, -1.0), (Ru, -1.0)], hi=0.0)
+            terms = [(col, 1.0), (Lp, -1.0)]
+            prev = s0
+            for e in ends:
+                Ru = _R(rel, u, prev, e)
+                terms.append((Ru, -1.0))
+                todo.append(Ru)
+                prev = e
+            m.row(terms, hi=0.0)
 
 
 def _transients(rel, t: int, det: set, Lt: dict, read_t: set, sits: list, fixed: int, ends: list) -> None:
