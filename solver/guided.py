@@ -12,25 +12,30 @@ from __future__ import annotations
 import numpy as np
 
 from remat.graph_capture.training_graph import TrainingGraph
+from remat.solver.keep_more import keep_more
 from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.relaxation import SAFETY, Relaxation
 from remat.solver.simulator import simulate
 
-__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS"]
+__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS"]
 
 THRESHOLDS = (0.9, 0.5)
 
 
 def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool = True,
-                       before: list[list[int]] | None = None) -> list[str]:
+                       before: list[list[int]] | None = None, sticky: bool = False) -> list[str]:
     """The schedule that computes the nodes in order, forgets after row t every value in
     drops[t] (index of a recomputable node), recomputes before row t the values in before[t]
     (if given), and recomputes a forgotten input right before the step that reads it (its own
-    forgotten inputs first); unread instances pruned if `prune`."""
+    forgotten inputs first); unread instances pruned if `prune`. sticky: a value computed again
+    in the backward is not forgotten again (it lives to its last read: recomputing it once per
+    read would cost more than the memory it holds where memory is plentiful)."""
     nodes, idx = graph.nodes, graph.index
     inputs = [[idx[i] for i in v.inputs] for v in nodes]
     valid = [False] * len(nodes)
+    again = [False] * len(nodes)  # computed again in the backward
     sched: list[str] = []
+    backward = [False]
 
     def ensure(u: int) -> None:
         stack = [(u, False)]
@@ -41,11 +46,13 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
             if ready:
                 sched.append(nodes[w].name)
                 valid[w] = True
+                again[w] = backward[0]
                 continue
             stack.append((w, True))
             stack.extend((i, False) for i in inputs[w] if not valid[i])
 
     for t, v in enumerate(nodes):
+        backward[0] = sticky and v.is_backward
         for u in (before[t] if before else ()):
             if u < t:
                 valid[u] = False  # a new instance, computed here as the relaxation does
@@ -55,7 +62,8 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
         sched.append(v.name)
         valid[t] = True
         for u in drops[t]:
-            valid[u] = False
+            if not again[u]:
+                valid[u] = False
     return prune_unread(graph, sched) if prune else sched
 
 
@@ -86,8 +94,57 @@ def drops_at(rel: Relaxation, x: np.ndarray, threshold: float) -> list[set[int]]
     return drops
 
 
+def threshold_search(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: int, with_r: bool,
+                     steps: int = 12, sticky: bool = False, keep_trials: int = 60) -> list[str] | None:
+    """The schedule of drops_at at the least threshold whose schedule fits `budget`, found by
+    bisection (a lower threshold drops less: cheaper, more memory). Values the relaxation keeps
+    equally (identical blocks keep the same fraction of the same tensor) are told apart by their
+    recomputation cost per byte, so that the threshold passes through them one class at a time
+    instead of dropping or keeping a tensor in every block at once."""
+    g = graph.nodes
+    density = sorted({g[u].cost / max(g[u].out_bytes, 1) for u in range(rel.n) if rel.rec[u]})
+    rank = {d: i / max(len(density) - 1, 1) for i, d in enumerate(density)}
+    entries = []
+    for (u, k, t), col in rel.L.items():
+        if not rel.rec[u]:
+            continue
+        row = t if t < rel.n else rel.sit[t - rel.n][1] - 1
+        c = rel.C.get((u, t))
+        score = float(x[col]) + 1e-3 * rank[g[u].cost / max(g[u].out_bytes, 1)]
+        entries.append((score, u, row, None if c is None else float(x[c]), rel.lastrd[u][k] <= row))
+
+    def drops_for(th: float) -> tuple[list[set[int]], list[list[int]] | None]:
+        drops: list[set[int]] = [set() for _ in range(rel.n)]
+        for score, u, row, c, unread in entries:
+            if score < th and (unread or c is not None and c > 1 - th):
+                drops[row].add(u)
+        return drops, (recomputations_at(rel, x, min(th, 0.5)) if with_r else None)
+
+    best = None
+    lo, hi = 0.0, 1.0 + 2e-3
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        drops, before = drops_for(mid)
+        sched = schedule_from_live(graph, drops, before=before, sticky=sticky)
+        sim = simulate(graph, sched)
+        if sim.peak_bytes <= budget:
+            if best is None or sim.extra_cost < best[2]:
+                best = (drops, before, sim.extra_cost)
+            hi = mid
+        else:
+            lo = mid
+    if best is None:
+        return None
+    drops, before, _ = best
+    _, sched = keep_more(graph, drops, budget,
+                         lambda d: schedule_from_live(graph, d, before=before, sticky=sticky),
+                         lambda d: fit(graph, d, budget, max_rounds=20, before=before, sticky=sticky, with_drops=True),
+                         max_trials=keep_trials)
+    return sched
+
+
 def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: int = 60,
-        before: list[list[int]] | None = None) -> list[str] | None:
+        before: list[list[int]] | None = None, sticky: bool = False, with_drops: bool = False):
     """Drop more values until the schedule fits `budget`. Each round simulates the schedule once
     and, at every step over the budget, forgets the live forward values with the least
     recomputation cost per byte, enough of them to cover that step's excess, after the last first
@@ -98,10 +155,11 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
     inputs = [{idx[i] for i in v.inputs} for v in nodes]
     drops = [set(d) for d in drops]
     for _ in range(max_rounds):
-        sched = schedule_from_live(graph, drops, prune=False, before=before)
+        sched = schedule_from_live(graph, drops, prune=False, before=before, sticky=sticky)
         sim = simulate(graph, sched)
         if sim.peak_bytes <= budget:
-            return prune_unread(graph, sched)
+            sched = prune_unread(graph, sched)
+            return (drops, sched) if with_drops else sched
         frees = last_reads(graph, sched)
         live: set[int] = set()
         row, grew = -1, False
@@ -134,6 +192,14 @@ def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: in
     """The cheapest refined plan over the thresholds (each made to fit first), with a record of
     what each threshold gave; None when none could be made to fit."""
     best, record = None, {}
+    for with_r, sticky in ((True, False), (False, False), (False, True)):  # least threshold that fits
+        sched = threshold_search(graph, rel, x, budget, with_r, sticky=sticky)
+        if sched is not None:
+            sched = drop_recomputations(graph, sched, budget)
+            sim = simulate(graph, sched)
+            record[f"bisect{'R' if with_r else ''}{'S' if sticky else ''}"] = sim.extra_cost
+            if best is None or sim.extra_cost < best[1]:
+                best = (sched, sim.extra_cost)
     seen = set()
     for th, with_r in [(th, w) for th in thresholds for w in (True, False)]:
         drops = drops_at(rel, x, th)

@@ -201,6 +201,8 @@ class Relaxation:
         self.depends_done: set = set()  # R columns whose dependency rows are built
         self.R_of: dict = {}  # R column -> (u, b)
         self.pending: list = []  # R columns whose dependency rows are still to build
+        self.memory_rows: list = []  # the memory row of each row t (model row indices)
+        self.transient_rows: list = []  # the rows bounding memory while a value is recomputed
         self._prep(group_target)
         build_rows(self)
 

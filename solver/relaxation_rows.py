@@ -50,6 +50,7 @@ def build_rows(rel) -> None:
         terms = [(col, P[u][k] / ms) for (u, k), col in Lt.items() if (u, k) not in read_t]
         sits = [rel.sitting[j][2] for j in sitting_at[t]]
         terms += [(col, 1.0) for col in sits]
+        rel.memory_rows.append(m.num_rows)
         if rel.peak is not None:  # the peak's model: every row at most the variable P
             m.row(terms + [(rel.peak, -1.0)], hi=-fixed / ms)
         else:
@@ -304,6 +305,7 @@ def _transients(rel, t: int, det: set, Lt: dict, read_t: set, sits: list, fixed:
     m.row(terms, lo=0.0)
     nodes = rel.g.nodes
     for v, Rv in ends:
+        rel.transient_rows.append(m.num_rows)
         own = nodes[v].out_bytes + nodes[v].workspace_bytes
         row, rhs = [(W, 1.0), (Rv, own / ms)], (rel.budget - fixed) / ms
         if rel.peak is not None:
