@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from remat.attention import kernels
+import remat.attention.kernels as kernels
 from remat.attention.dropout_hash import dropout_keep_tl, dropout_threshold
 from remat.attention.reference import new_attention_output
 

@@ -128,7 +128,7 @@ class AttentionRouter(TorchFunctionMode):
         return _shape_reason(q, k, v) or self._autocast_reason(q)
 
     def _autocast_reason(self, q) -> str | None:
-        # [engineer D: autocast] in "exact" mode attention traced under autocast stays unfused: eager
+        # in "exact" mode attention traced under autocast stays unfused: eager
         # autocast rounds scores and probabilities to 16 bits, the fused op does not (see
         # remat.graph_capture.autocast_state); "all" opts into the fused op's function anyway
         return None if self.fuse_dropout else autocast_fusion_reason(q)

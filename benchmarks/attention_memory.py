@@ -24,7 +24,7 @@ from remat.api import capture
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.machine_info import MiB, machine
 from remat.solver import get_solver
-from remat.solver.plan import LOWEST_PEAK
+from remat.core.plan import LOWEST_PEAK
 from remat.solver.checkmate import min_feasible_budget
 
 VARIANTS = [("explicit", "off", 0.0), ("explicit", "exact", 0.0), ("sdpa", "exact", 0.0),

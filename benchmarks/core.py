@@ -25,7 +25,7 @@ from remat.api import capture
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.machine_info import MiB, machine
 from remat.report import format_table, reference_step, run_strategy
-from remat.solver.plan import InfeasibleBudgetError
+from remat.core.plan import InfeasibleBudgetError
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from remat.api import capture
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.machine_info import MiB, machine
 from remat.solver.checkmate import solve
 

@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || { echo "wheel install failed"; exit 3; }
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg/remat
 cp -r remat/*.py /tmp/pkg/remat/
-for d in attention compat graph_capture solver runtime; do cp -r "$d" "/tmp/pkg/remat/$d"; done
+for d in core attention compat graph_capture solver runtime; do cp -r "$d" "/tmp/pkg/remat/$d"; done
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; nproc;
   python3 -c "import torch, triton, pulp, highspy; print('torch', torch.__version__, 'triton', triton.__version__, 'pulp', pulp.__version__)"; } \

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.hf_models,
 
 import remat  # noqa: E402
 from remat.machine_info import MiB, machine  # noqa: E402
-from remat.solver.plan import InfeasibleBudgetError  # noqa: E402
+from remat.core.plan import InfeasibleBudgetError  # noqa: E402
 from tests.hf_models import HF_MODELS, hf_batch, hf_model, hf_step  # noqa: E402
 
 

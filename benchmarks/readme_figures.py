@@ -1,6 +1,6 @@
 """README figures generated from benchmarks/results/: rewrite them, or check that they are current.
 
-    python benchmarks/readme_figures.py           # rewrite README.md's marked blocks from the files
+    python benchmarks/readme_figures.py           # rewrite the marked blocks of README.md and docs/*.md
     python benchmarks/readme_figures.py --check   # exit 1 and print a diff if any block is stale
 
 A marked block in README.md is a marker line, the generated text, and a closing line:
@@ -36,10 +36,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["README", "Figure", "FigureError", "check_readme", "main", "parse_line_spec", "parse_marker",
+__all__ = ["README", "pages", "Figure", "FigureError", "check_readme", "main", "parse_line_spec", "parse_marker",
            "regenerate", "render_figure", "select_lines", "update_readme"]
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def pages() -> list[Path]:
+    """The Markdown pages with figures: README.md and every page of docs/ (paths in a page's markers
+    are relative to its own folder)."""
+    return [README, *sorted((README.parent / "docs").glob("*.md"))]
 OPEN = re.compile(r"^<!-- results: (?P<args>.*?) -->$")
 CLOSE = "<!-- /results -->"
 MACHINE = re.compile(r"^\s*machine:")  # may be indented (a Markdown results file quotes it)
@@ -213,18 +219,23 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: rewrite (default) or --check; exit 1 on stale figures or any problem."""
     ap = argparse.ArgumentParser(description="Generate README.md's result figures from benchmarks/results/.")
     ap.add_argument("--check", action="store_true", help="do not write: print a diff of stale figures, exit 1 if any")
-    ap.add_argument("--readme", type=Path, default=README, help="the README to work on (default: the repository's)")
+    ap.add_argument("--readme", type=Path, default=None,
+                    help="the page to work on (default: README.md and every page of docs/)")
     a = ap.parse_args(argv)
-    if a.check:
-        report = check_readme(a.readme)
-        sys.stdout.write(report or f"{a.readme}: figures are current\n")
-        return 1 if report else 0
-    problems = update_readme(a.readme)
-    for p in problems:
-        print(p, file=sys.stderr)
-    if problems:
-        print(f"{a.readme}: not written", file=sys.stderr)
-    return 1 if problems else 0
+    failed = False
+    for page in [a.readme] if a.readme else pages():
+        if a.check:
+            report = check_readme(page)
+            sys.stdout.write(report or f"{page}: figures are current\n")
+            failed |= bool(report)
+            continue
+        problems = update_readme(page)
+        for p in problems:
+            print(p, file=sys.stderr)
+        if problems:
+            print(f"{page}: not written", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def row(kind: str, layers: int, frac: float, flat_limit: float, dtype: str = "fp
     """One measurement (run in a fresh process)."""
     from remat.solver import checkmate, equal_spacing, keep_all
     from remat.solver.refine import drop_recomputations
-    from remat.solver.simulator import simulate
+    from remat.core.simulator import simulate
 
     t0 = time.perf_counter()
     g = _graph(kind, layers, dtype)

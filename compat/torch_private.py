@@ -19,6 +19,9 @@ Entry points (what each is for):
   and partitioner;
 * `aot_raw_forward(forward)`: the function `aot_module_simplified` wrapped, which takes the
   parameters as arguments (so replaced parameters can be passed), or None;
+* `allow_retained_backward(forward)`: let a step `aot_module_simplified` compiled run a backward
+  with `retain_graph=True` (it refuses once compiled with donated buffers);
+* `backward_keeps_graph()`: inside a backward, whether it runs with `retain_graph=True`;
 * `is_input_mutation_output(desc)`: whether a joint-graph output descriptor is a mutated input;
 * `compile_session()`: hold `torch.compiler.is_compiling()` true, as torch.compile does;
 * `profiler_events(prof)`: the profiler's raw event list ([memory] events included);
@@ -31,6 +34,7 @@ Entry points (what each is for):
 """
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -43,6 +47,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 __all__ = ["TESTED_TORCH", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
            "autograd_sequence_nr", "autocast_supported_devices", "backward_without_autocast",
            "aot_module_simplified", "default_partition", "extract_fwd_bwd_modules", "aot_raw_forward",
+           "allow_retained_backward", "backward_keeps_graph",
            "is_input_mutation_output", "compile_session", "profiler_events", "compiled_submodules",
            "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake"]
 
@@ -91,6 +96,61 @@ def aot_raw_forward(forward: Callable, params_and_buffers: list[torch.Tensor]) -
     same = (bound is not None and len(bound) == len(params_and_buffers)
             and all(a is b for a, b in zip(bound, params_and_buffers)))
     return raw if callable(raw) and same else None
+
+
+def allow_retained_backward(forward: Callable) -> int:
+    """Let the compiled step `forward` (what `aot_module_simplified` returned) run a backward with
+    `retain_graph=True`, as eager autograd does. AOTAutograd records which saved tensors its
+    backward may donate (`ViewAndMutationMeta.bw_donated_idxs`) and, while
+    `torch._functorch.config.donated_buffer` is on, refuses a retained backward once the backward
+    was compiled for single use ("compiled with non-empty donated buffers"). Donation only lets
+    Inductor reuse saved tensors inside a backward AOTAutograd compiled itself; remat's graphs are
+    compiled by remat (runtime/compile.py), outside AOTAutograd's context, so nothing is donated and
+    the list is emptied. The flag cannot be switched off for one backward instead: AOTAutograd's
+    backward reads it in another context than autograd's hooks run in. Returns how many metadata
+    objects were found (the forward's closures and the autograd.Function's class, walked boundedly)."""
+    from torch._functorch._aot_autograd.schemas import ViewAndMutationMeta
+
+    found: list = []
+    seen: set[int] = set()
+    todo: list[tuple[object, int]] = [(forward, 0)]
+    while todo:
+        obj, depth = todo.pop()
+        if id(obj) in seen or depth > 12:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, ViewAndMutationMeta):
+            found.append(obj)
+            continue
+        kids: list = []
+        if isinstance(obj, types.FunctionType):
+            kids = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+            kids += [getattr(obj, "__wrapped__", None)]
+        elif isinstance(obj, types.MethodType):
+            kids = [obj.__func__, obj.__self__]
+        elif isinstance(obj, (list, tuple)):
+            kids = list(obj)
+        elif type(obj).__module__.startswith("torch._functorch") or (
+                isinstance(obj, type) and obj.__module__.startswith("torch._functorch")):
+            kids = list(vars(obj).values())
+        todo.extend((k, depth + 1) for k in kids if k is not None)
+    for meta in found:
+        meta.bw_donated_idxs = []
+    return len(found)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return False
+    return True
+
+
+def backward_keeps_graph() -> bool:
+    """Inside a backward: whether it was asked to keep the graph (`retain_graph=True`), from
+    autograd's current graph task (`torch._C._autograd._get_current_graph_task_keep_graph`)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
 
 
 def is_input_mutation_output(desc) -> bool | None:

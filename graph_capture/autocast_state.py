@@ -32,13 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
+from remat.core.errors import RematError
 from remat.compat.torch_private import autocast_supported_devices, backward_without_autocast
 
 __all__ = ["AutocastState", "AutocastMismatchError", "guard_autocast", "backward_traced_as_eager",
            "step_device_types"]
 
 
-class AutocastMismatchError(RuntimeError):
+class AutocastMismatchError(RematError, RuntimeError):
     """A planned step was called under another autocast state than the one it was planned in."""
 
 

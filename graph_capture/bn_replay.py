@@ -54,6 +54,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from remat.core.errors import RematError
 from remat.graph_capture.light_ops import light_op
 
 __all__ = ["make_batch_norm_recomputable", "batch_norm", "batch_norm_stats", "is_recomputable_batch_norm",
@@ -65,7 +66,7 @@ BATCH_NORM_STATS_OP = "batch_norm_stats.default"
 _STASH = "_remat_bn_stats"  # attribute of a first computation's `out` holding its statistics
 
 
-class BatchNormOrderError(RuntimeError):
+class BatchNormOrderError(RematError, RuntimeError):
     """A BatchNorm's statistics were asked of a tensor that is not the first computation of its
     output (ops ran out of the graph's order, or a compiler passed a copy)."""
 

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 from remat.compat.torch_private import is_input_mutation_output
 from remat.graph_capture.profiling import allocation_bytes
 from remat.graph_capture.profiling import storage_bytes as _storage_bytes
-from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.core.training_graph import Node, TrainingGraph
 from remat.graph_capture.cuda_library import cuda_library_workspace_bytes
 from remat.graph_capture.workspace import OpProbe, probe_ops, tensors_in
 
@@ -62,8 +62,8 @@ def _dropout_scale(scale: float, x: torch.Tensor) -> float:
     1/(1-p) is rounded to that dtype first (1/0.9 -> 1.109375 in bfloat16); the traced graph's
     native_dropout / native_dropout_backward with the unrounded float are off by one rounding in
     ~25% of elements, so the rewrite uses the rounded factor (a no-op for float32/float64). CUDA's
-    fused kernel multiplies by the float32 factor, as `mul` with a Python float does: left as is.
-    [engineer D: found under autocast, tests/test_autocast.py]"""
+    fused kernel multiplies by the float32 factor, as `mul` with a Python float does: left as is
+    (tests/test_autocast.py compares the result with eager under autocast)."""
     if x.device.type == "cpu" and x.dtype.is_floating_point:
         return float(torch.tensor(scale, dtype=x.dtype))
     return scale

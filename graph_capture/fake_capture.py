@@ -35,9 +35,8 @@ from remat.compat.torch_private import disable_current_modes, fake_tensor_mode, 
 from remat.graph_capture.build import build_training_graph
 from remat.graph_capture.joint import PartitionFailed, trace_training_step
 from remat.graph_capture.rewrites import prepare_joint_graph
-from remat.graph_capture.scaled_workspace import ProbeLimits
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.graph_capture.workspace import probe_ops
+from remat.graph_capture.scaled_workspace import ProbeLimits, probe_within
+from remat.core.training_graph import TrainingGraph
 
 __all__ = ["capture_without_memory", "planned_device", "ProbeLimits"]
 
@@ -131,7 +130,7 @@ def capture_without_memory(model: nn.Module, example_inputs: tuple, example_kwar
     def partition(joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
         try:  # what remat.capture does with the joint graph (remat/api.py), measured as asked
             prepare_joint_graph(joint_gm, dev.type)  # as remat.capture does: the same graph
-            probed = probe_ops(joint_gm, probe_device, limits=limits, allocator=allocator)
+            probed = probe_within(joint_gm, probe_device, limits, allocator)
             info = build_training_graph(joint_gm, num_fwd_outputs, name=name, probe=probed, allocator=allocator)
         except Exception as e:
             raise PartitionFailed(e) from e

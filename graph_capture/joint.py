@@ -14,6 +14,7 @@ the old tensors.
 from __future__ import annotations
 
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,21 +22,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.compat.torch_private import aot_module_simplified, aot_raw_forward, pytree
+from remat.core.errors import RematError, RematWarning
+from remat.compat.torch_private import (allow_retained_backward, aot_module_simplified, aot_raw_forward,
+                                       backward_keeps_graph, pytree)
 from remat.graph_capture.eager_calls import eager_executable
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
-from remat.graph_capture.progress import Stage
+from remat.core.progress import Stage
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "PartitionFailed", "ParameterMismatchError",
-           "CompiledStep", "trace_training_step"]
+           "DoubleBackwardError", "RetainedGraphWarning", "CompiledStep", "run_boxed", "trace_training_step"]
 
 
-class TraceError(RuntimeError):
+class TraceError(RematError, RuntimeError):
     """The model's training step could not be traced; the message names the op or source line."""
 
 
-class PartitionFailed(Exception):
+class PartitionFailed(RematError):
     """Raised by a partition function to end tracing with `error`, an error of the caller's own
     (a budget no plan fits, a saved plan for another graph, ...): trace_training_step raises
     `error` itself, not a TraceError."""
@@ -45,9 +48,49 @@ class PartitionFailed(Exception):
         self.error = error
 
 
-class ParameterMismatchError(RuntimeError):
+class ParameterMismatchError(RematError, RuntimeError):
     """The model's parameters or buffers no longer match the ones the step was traced with (other
     names, shapes, dtypes, devices, requires_grad or tying): the step cannot run them."""
+
+
+class DoubleBackwardError(RematError, RuntimeError):
+    """A backward with `create_graph=True` (double backward: gradient penalties, MAML) reached a
+    planned step, whose backward is one compiled function autograd cannot differentiate again."""
+
+
+class RetainedGraphWarning(RematWarning):
+    """A backward with `retain_graph=True` ran through a planned step: its saved activations stay
+    alive for the whole backward (and after it), so the step can peak above the plan's prediction."""
+
+
+def _check_backward(grad_outputs) -> None:
+    """Runs before a planned step's backward (a prehook on its outputs' grad_fns): refuse a double
+    backward before anything is computed, and say once that retain_graph keeps what the plan frees."""
+    if torch.is_grad_enabled():  # autograd enables grad mode in a backward exactly when create_graph=True
+        raise DoubleBackwardError(
+            "backward(create_graph=True) / autograd.grad(..., create_graph=True) reached a remat module: its "
+            "planned backward runs as one compiled function, which autograd cannot differentiate again "
+            "(double backward, e.g. a gradient penalty). Compute that loss through the unplanned model "
+            "(`opt.module(...)`, or torch.utils.checkpoint), and use the remat module for the ordinary steps.")
+    if backward_keeps_graph():
+        global _said_retained
+        if not _said_retained:
+            _said_retained = True
+            warnings.warn(RetainedGraphWarning(
+                "backward(retain_graph=True) through a remat module: gradients are as eager's, but the step's saved "
+                "activations are kept for the whole backward (the plan frees each after its last use), so this "
+                "step can peak above the plan's prediction"), stacklevel=3)
+
+
+_said_retained = False
+
+
+def guard_backward(outputs) -> None:
+    """Register `_check_backward` on every grad_fn of a planned step's outputs (each path from a loss
+    back into the step passes one of them)."""
+    for fn in {id(t.grad_fn): t.grad_fn for t in outputs
+               if isinstance(t, torch.Tensor) and t.grad_fn is not None}.values():
+        fn.register_prehook(_check_backward)
 
 
 @dataclass
@@ -172,6 +215,7 @@ class CompiledStep:
         self._traced = tensors
         # only rebind if aot_module_simplified bound exactly what we would pass
         self._raw = aot_raw_forward(forward, tensors)
+        allow_retained_backward(forward)  # retain_graph=True works as in eager
 
     def _name(self, i: int) -> str:
         return self._names[i].removeprefix("model.")
@@ -204,13 +248,13 @@ class CompiledStep:
 
     def __call__(self, *flat: torch.Tensor):
         state = self.current_state()
-        if self._raw is None:
-            return self._forward(*flat)
-        return self._raw([*state, *flat])
+        outs = self._forward(*flat) if self._raw is None else self._raw([*state, *flat])
+        guard_backward(outs)
+        return outs
 
 
-def _compile_identity(gm: torch.fx.GraphModule, example_inputs):
-    """Run the graph as it is, with the boxed calling convention: the graph receives the list of
+def run_boxed(gm: torch.fx.GraphModule, example_inputs):
+    """An AOTAutograd compiler that runs the graph as it is, with the boxed calling convention: the graph receives the list of
     its inputs and clears it, so each input (a saved activation, in the backward) is freed after
     its last use instead of living until the graph returns."""
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
@@ -282,11 +326,11 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
                 tracing.close()  # traced: the partition function reports its own stages
                 return partition_fn(joint_gm, joint_inputs, **kw)
 
-            # [engineer D: mixed precision, library models] trace as torch.compile does, so that
+            # trace as torch.compile does, so that
             # Hugging Face skips its data-dependent mask shortcuts (graph_capture/hf_compat.py); the
             # step checks each call runs under the autocast it was traced in, the backward without any
             autocast = AutocastState.current(step_device_types(model, flat))  # (autocast_state.py)
-            fw_compiler, bw_compiler = graph_compilers or (_compile_identity, _compile_identity)
+            fw_compiler, bw_compiler = graph_compilers or (run_boxed, run_boxed)
             with traced_as_compiled(), backward_traced_as_eager(), torch.compiler.set_stance("force_eager"):
                 compiled = guard_autocast(
                     CompiledStep(aot_module_simplified(step, flat, fw_compiler=fw_compiler,

@@ -42,13 +42,14 @@ import time
 import torch
 import torch.fx as fx
 
+from remat.core.errors import RematError
 from remat.compat.torch_private import disable_current_modes
 from remat.graph_capture.bn_replay import is_recomputable_batch_norm, recomputation_args
 from remat.graph_capture.build import JointGraphInfo
-from remat.graph_capture.progress import stage
+from remat.core.progress import stage
 from remat.graph_capture.rng_replay import is_replayable_dropout, probe_callable
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.graph_capture.workspace import _real, _signature, op_groups, real_args, tensors_in
+from remat.core.training_graph import TrainingGraph
+from remat.graph_capture.workspace import op_groups, op_signature, real_args, real_like, tensors_in
 
 __all__ = ["COST_MODELS", "MIN_COST_NS", "OpTimingError", "time_ops", "measured_cost_graph", "shared_signature",
            "recomputation_form"]
@@ -58,7 +59,7 @@ MIN_COST_NS = 1.0  # every node costs > 0, so no recomputation is free
 CUDA_BATCH = 10  # calls per timed run on CUDA (see _time_call)
 
 
-class OpTimingError(RuntimeError):
+class OpTimingError(RematError, RuntimeError):
     """The graph's ops cannot be timed here (tensors on the meta device, or on several devices)."""
 
 
@@ -101,7 +102,7 @@ def _run(n: fx.Node, device: torch.device):
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
         args, kwargs = real_args(n, device)()
         return probe_callable(n.target)(*args, **kwargs)
-    return _real(n.meta.get("val"), device)
+    return real_like(n.meta.get("val"), device)
 
 
 def _args_from_producers(n: fx.Node, device: torch.device) -> tuple[tuple, dict]:
@@ -229,4 +230,4 @@ def measured_cost_graph(info: JointGraphInfo, device: torch.device | None = None
 
 def shared_signature(n: fx.Node) -> tuple:
     """The key under which `n`'s timing is shared (workspace.py's op signature)."""
-    return _signature(n)
+    return op_signature(n)

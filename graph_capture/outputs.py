@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from remat.core.errors import RematError
 from remat.compat.torch_private import pytree
 
 __all__ = ["OutputError", "OutputStructure", "CONSTANT_TYPES"]
@@ -26,7 +27,7 @@ CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype
                   torch.Size, enum.Enum)
 
 
-class OutputError(TypeError):
+class OutputError(RematError, TypeError):
     """An output the optimized module cannot return on every call (e.g. a cache object holding
     the traced call's tensors); the message names it."""
 

@@ -35,18 +35,18 @@ import operator
 import torch
 import torch.fx as fx
 
+from remat.core.errors import RematError
 from remat.graph_capture.light_ops import light_op
 
 __all__ = ["make_dropout_replayable", "rng_state", "dropout", "CPU_STATE_BYTES", "is_replayable_dropout",
-           "probe_callable", "step_device_type", "RngOrderError", "RNG_STATE_OP"]
+           "probe_callable", "step_device_type", "RngOrderError"]
 
 aten = torch.ops.aten
 CPU_STATE_BYTES = int(torch.get_rng_state().numel())  # mt19937's state: 5056 bytes
-RNG_STATE_OP = "rng_state.default"  # the TrainingGraph op name of a saved state's node (build.py names ops so)
 _LAST_SAVED = [None]  # data pointer of the state the latest rng_state saved, until its dropout draws
 
 
-class RngOrderError(RuntimeError):
+class RngOrderError(RematError, RuntimeError):
     """A dropout was about to draw from another generator state than the one saved for its replay
     (random ops ran out of the graph's order)."""
 

@@ -1,6 +1,6 @@
 """Measuring op workspaces when an op is too large to run at its traced shapes, or cannot run here.
 
-Used by `probe_ops(..., limits=...)` (graph_capture/workspace.py) when a step is planned without its
+Used instead of workspace.py's `probe_ops` when a step is planned without its
 memory (graph_capture/fake_capture.py): one op's inputs and outputs at the traced shapes may be too
 large to allocate (a 1.3B-parameter GPT's logits are 3 GB), or no device of the kind planned for
 may be here (a CUDA plan made on a CPU machine). Then:
@@ -28,10 +28,11 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
-from remat.compat.torch_private import fake_tensor_mode
+from remat.compat.torch_private import disable_current_modes, fake_tensor_mode
 from remat.graph_capture.rng_replay import probe_callable
 from remat.graph_capture.profiling import allocation_bytes, storage_bytes
-from remat.graph_capture.workspace import Case, OpProbe, op_groups, real_args, run_cases, tensors_in
+from remat.graph_capture.workspace import (Case, OpProbe, default_min_bytes, op_groups, real_args, run_cases,
+                                           tensors_in)
 
 __all__ = ["ProbeLimits", "probe_within"]
 
@@ -256,11 +257,20 @@ def _cuda_formula(n: fx.Node) -> int | None:
     return None
 
 
-def probe_within(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, limits: ProbeLimits,
-                  allocator: str) -> OpProbe:
+def probe_within(gm: fx.GraphModule, device: torch.device | None, limits: ProbeLimits, allocator: str,
+                 min_bytes: int | None = None) -> OpProbe:
     """`probe_ops` within `limits` (see the module doc): each op signature measured on `device` at
     its traced shapes if it fits, else on smaller shapes and scaled; with `device` None (or one
-    that cannot run ops), formulas for `allocator`'s device or 0. Estimates go to `estimated`."""
+    that cannot run ops), formulas for `allocator`'s device or 0. Estimates go to `estimated`.
+    Workspaces under `min_bytes` (default: `default_min_bytes(allocator)`) count as 0."""
+    if min_bytes is None:
+        min_bytes = default_min_bytes(allocator)
+    with disable_current_modes():  # AOTAutograd calls the partitioner with its fake-tensor mode active
+        return _probe_within(gm, device, min_bytes, limits, allocator)
+
+
+def _probe_within(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, limits: ProbeLimits,
+                  allocator: str) -> OpProbe:
     result = OpProbe()
     todo = {sig: nodes for sig, nodes in op_groups(gm).items() if not _aliases_only(nodes[0])}
     runnable = device is not None and device.type in ("cpu", "cuda")

@@ -24,25 +24,21 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, record_function
 
-from remat.graph_capture.progress import stage
+from remat.core.progress import stage
 from remat.graph_capture.rng_replay import probe_callable
 from remat.compat.torch_private import disable_current_modes, profiler_events
 from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peak, quiet_profile,
                                            storage_bytes)
 
-if TYPE_CHECKING:
-    from remat.graph_capture.scaled_workspace import ProbeLimits
-
-__all__ = ["OpProbe", "Case", "probe_ops", "tensors_in", "run_cases", "real_args", "op_groups"]
+__all__ = ["OpProbe", "Case", "probe_ops", "default_min_bytes", "tensors_in", "run_cases", "real_args", "real_like", "op_groups", "op_signature"]
 
 
-def _real(v, device: torch.device):
+def real_like(v, device: torch.device):
     """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device` (on the CPU
     where `v` is): random floats, integers 0 (a valid index for every gather/embedding/loss target),
     bools True. Built on a flat storage and viewed with `v`'s strides, so an expanded value (stride
@@ -61,11 +57,13 @@ def _real(v, device: torch.device):
             flat.zero_()
         return flat.as_strided(shape, stride, offset)
     if isinstance(v, (list, tuple)):
-        return type(v)(_real(x, device) for x in v)
+        return type(v)(real_like(x, device) for x in v)
     return v
 
 
-def _signature(n: fx.Node) -> tuple:
+def op_signature(n: fx.Node) -> tuple:
+    """What identifies an op call for probing: its target and each argument's shape, strides and
+    dtype (or value), so calls with the same one are measured once."""
     def sig(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
@@ -122,27 +120,25 @@ class OpProbe:
     estimated: list[dict] = field(default_factory=list)
 
 
-def probe_ops(gm: fx.GraphModule, device: torch.device | None, min_bytes: int | None = None,
-              limits: ProbeLimits | None = None, allocator: str | None = None) -> OpProbe:
-    """Run every distinct op signature of `gm` once on `device`. Workspaces under `min_bytes`
-    count as 0: by default none on CPU, where the profiler counts every byte exactly and the
-    simulator is meant to match it, and 4 KiB on CUDA, whose allocator rounds each block up (512
-    bytes and more), so small differences there are rounding, not scratch memory.
+def default_min_bytes(allocator: str) -> int:
+    """Workspaces under this count as 0: none on CPU, where the profiler counts every byte exactly
+    and the simulator is meant to match it, and 4 KiB on CUDA, whose allocator rounds each block up
+    (512 bytes and more), so small differences there are rounding, not scratch memory."""
+    return 0 if allocator == "cpu" else 4096
 
-    `limits` (planning without the memory): ops over them are measured on smaller shapes and
-    scaled, ops that create no storage (views) are not run, and with `device` None nothing runs:
-    ops get known formulas for `allocator`'s device, or 0; each estimate is listed in `estimated`.
-    `allocator` ("cpu", "cuda"; default: the device's type) is how storage bytes are counted."""
+
+def probe_ops(gm: fx.GraphModule, device: torch.device | None, min_bytes: int | None = None,
+              allocator: str | None = None) -> OpProbe:
+    """Run every distinct op signature of `gm` once on `device`, at its traced shapes. Workspaces
+    under `min_bytes` (default: `default_min_bytes`) count as 0. `allocator` ("cpu", "cuda";
+    default: the device's type) is how storage bytes are counted. Planning without the memory
+    measures within limits instead (graph_capture/scaled_workspace.py's `probe_within`)."""
     allocator = allocator or (device.type if device is not None else "cpu")
     if min_bytes is None:
-        min_bytes = 0 if allocator == "cpu" else 4096
+        min_bytes = default_min_bytes(allocator)
     # AOTAutograd calls the partitioner with its fake-tensor mode active: step outside it
     with disable_current_modes():
-        if limits is None:
-            return _probe(gm, device, min_bytes, allocator)
-        from remat.graph_capture.scaled_workspace import probe_within  # it builds on this module
-
-        return probe_within(gm, device, min_bytes, limits, allocator)
+        return _probe(gm, device, min_bytes, allocator)
 
 
 def op_groups(gm: fx.GraphModule) -> dict[tuple, list[fx.Node]]:
@@ -151,7 +147,7 @@ def op_groups(gm: fx.GraphModule) -> dict[tuple, list[fx.Node]]:
     todo: dict[tuple, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            todo.setdefault(_signature(n), []).append(n)
+            todo.setdefault(op_signature(n), []).append(n)
     return todo
 
 
@@ -229,7 +225,7 @@ def real_args(n: fx.Node, device: torch.device) -> Callable[[], tuple[tuple, dic
         produced = _integer_outputs_of_producers(n, device) if device.type == "cuda" else {}
 
         def value(a: fx.Node):
-            return produced[a] if a in produced else _real(a.meta.get("val"), device)
+            return produced[a] if a in produced else real_like(a.meta.get("val"), device)
 
         return fx.node.map_arg(n.args, value), fx.node.map_arg(n.kwargs, value)
 
@@ -250,8 +246,8 @@ def _integer_outputs_of_producers(n: fx.Node, device: torch.device) -> dict[fx.N
         if not (isinstance(src, fx.Node) and isinstance(src.target, torch._ops.OpOverload)):
             continue
         if src not in outputs:
-            sargs = fx.node.map_arg(src.args, lambda b: _real(b.meta.get("val"), device))
-            skwargs = fx.node.map_arg(src.kwargs, lambda b: _real(b.meta.get("val"), device))
+            sargs = fx.node.map_arg(src.args, lambda b: real_like(b.meta.get("val"), device))
+            skwargs = fx.node.map_arg(src.kwargs, lambda b: real_like(b.meta.get("val"), device))
             outputs[src] = src.target(*sargs, **skwargs)
         out = outputs[src][a.args[1]]
         if isinstance(out, torch.Tensor):

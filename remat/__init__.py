@@ -1,32 +1,35 @@
 """remat: optimal activation checkpointing for PyTorch."""
 import os as _os
 
-# The subpackages live at the repository root (attention/, graph_capture/, solver/, runtime/) and
-# are installed as remat.attention, remat.graph_capture, remat.solver, remat.runtime. When remat is imported from a
-# source checkout (e.g. pytest run from the root), let it find them beside this folder.
+# The stages live at the repository root (core/, compat/, attention/, graph_capture/, solver/,
+# runtime/) and are installed as remat.core, remat.compat, ...; when remat is imported from a source
+# checkout (e.g. pytest run from the root), let it find them beside this folder.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "graph_capture", "__init__.py")) and _root not in __path__:
+if _os.path.isfile(_os.path.join(_root, "core", "__init__.py")) and _root not in __path__:
     __path__.append(_root)
 
 from remat.api import InfeasibleBudgetError, TraceError, capture, optimize, solve
+from remat.core.errors import RematError, RematWarning
+from remat.blockwise import BlockwiseModule, BlockwisePlanWarning
 from remat.graph_capture.autocast_state import AutocastMismatchError
-from remat.graph_capture.joint import ParameterMismatchError
+from remat.graph_capture.joint import DoubleBackwardError, ParameterMismatchError, RetainedGraphWarning
 from remat.graph_capture.outputs import OutputError
 from remat.measure import count_flops, measure_peak, resident_bytes
 from remat.runtime.compile import CompiledPeakWarning
-from remat.runtime.module import ModeMismatchError, OutsideBudgetWarning
-from remat.plan_file import load_plan
+from remat.runtime.module import OutsideBudgetWarning, PlanCacheLimitWarning, RematModule
+from remat.deployment import load_plan
 from remat.planning import plan
-from remat.runtime.partition import PlanMismatchError
+from remat.core.plan import PlanMismatchError
 from remat.solver.checkmate import SolverFallbackWarning
-from remat.solver.plan import Plan, PlanFileError, PlanStatus
+from remat.core.plan import Plan, PlanFileError, PlanStatus
 from remat.solver.revolve import NotAChainError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 
-__all__ = ["optimize", "plan", "capture", "solve", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
+__all__ = ["optimize", "plan", "capture", "solve", "RematModule", "BlockwiseModule", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
            "load_plan",
-           # the errors and warnings remat documents (README: "What remat refuses")
+           # the errors and warnings remat documents (README: "What remat refuses"), and their bases
+           "RematError", "RematWarning",
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "ModeMismatchError", "OutsideBudgetWarning", "CompiledPeakWarning", "SolverFallbackWarning",
+           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "CompiledPeakWarning", "SolverFallbackWarning",
            "NotAChainError"]

@@ -20,14 +20,14 @@ import time
 
 import torch
 
-from remat.cli import _fraction, _Parser, _positive, _positive_int, _output_file, _say, _step
+from remat.cli_args import Parser, fraction, output_file, positive, positive_int, say, step
 from remat.machine_info import MiB, machine
 from remat.offline import (build, capture_graph, check_plan, keep_all_peak, largest_batch, load_factory,
                            takes_batch)
-from remat.plan_file import check_context, describe_inputs, plan_context
+from remat.deployment import check_context, describe_inputs, plan_context
 from remat.solver import STRATEGIES
-from remat.solver.plan import InfeasibleBudgetError, Plan, PlanFileError
-from remat.solver.plan_summary import module_summary, rollup
+from remat.core.plan import InfeasibleBudgetError, Plan, PlanFileError
+from remat.core.module_summary import module_summary, rollup
 from remat.validate import RematArgumentError
 
 __all__ = ["add_commands"]
@@ -89,13 +89,19 @@ def _batches(s: str) -> list[str]:
 
 # ---- parsers ------------------------------------------------------------------------------------
 
-def _factories(p: argparse.ArgumentParser, batch_help: str, run: bool = False) -> None:
-    p.add_argument("--model", type=_factory, required=True, metavar="MODULE:FN",
-                   help="returns the nn.Module: my_pkg.models:build_model or path/to/file.py:build_model")
-    p.add_argument("--inputs", type=_factory, required=True, metavar="MODULE:FN",
+BUILT_IN = ("remat.offline:default_gpt", "remat.offline:default_gpt_batch")  # solve's default model and inputs
+DEFAULT_FRAC = 0.5  # solve's budget when none is given: this fraction of keep_all's predicted peak
+
+
+def _factories(p: argparse.ArgumentParser, batch_help: str, run: bool = False, built_in: bool = False) -> None:
+    model, inputs = BUILT_IN if built_in else (None, None)
+    p.add_argument("--model", type=_factory, required=not built_in, default=model, metavar="MODULE:FN",
+                   help="returns the nn.Module: my_pkg.models:build_model or path/to/file.py:build_model"
+                        + (f" (default: the built-in GPT, {model})" if built_in else ""))
+    p.add_argument("--inputs", type=_factory, required=not built_in, default=inputs, metavar="MODULE:FN",
                    help="returns the example inputs: a tensor, a tuple of arguments, a dict of keyword "
                         "arguments, or (args, kwargs)")
-    p.add_argument("--batch", type=_positive_int, default=None, help=batch_help)
+    p.add_argument("--batch", type=positive_int, default=None, help=batch_help)
     if run:
         p.add_argument("--device", type=_device, default=None,
                        help="move the model and inputs there and run (cpu or cuda; default: the plan's device)")
@@ -107,15 +113,15 @@ def _factories(p: argparse.ArgumentParser, batch_help: str, run: bool = False) -
                    help="attention run as remat's flash op (default: exact; check: the plan's)")
 
 
-def _budget(p: argparse.ArgumentParser, frac_help: str) -> None:
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--budget-gb", type=_positive, help="budget in GB (10^9 bytes)")
-    g.add_argument("--budget-mib", type=_positive, help="budget in MiB")
-    g.add_argument("--budget-frac", type=_fraction, help=frac_help)
+def _budget(p: argparse.ArgumentParser, frac_help: str, required: bool = True) -> None:
+    g = p.add_mutually_exclusive_group(required=required)
+    g.add_argument("--budget-gb", type=positive, help="budget in GB (10^9 bytes)")
+    g.add_argument("--budget-mib", type=positive, help="budget in MiB")
+    g.add_argument("--budget-frac", type=fraction, help=frac_help)
 
 
 def _solver(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-limit", type=_positive, default=None,
+    p.add_argument("--time-limit", type=positive, default=None,
                    help="optional wall-clock limit on checkmate's MILP, seconds (default: deterministic work limits)")
     p.add_argument("--option", type=_option, action="append", default=[], metavar="NAME=VALUE",
                    help="a solver option (e.g. backend=cbc, coarsen_to=60); repeatable")
@@ -123,25 +129,27 @@ def _solver(p: argparse.ArgumentParser) -> None:
 
 def add_commands(sub) -> None:
     """Add solve, inspect, check and max-batch to the CLI's subparsers."""
-    s = sub.add_parser("solve", help="plan your model's training step under a budget; save the plan file")
-    _factories(s, "call --inputs with this batch size")
-    _budget(s, "budget as a fraction of keep_all's predicted peak, in (0, 1]")
+    s = sub.add_parser("solve", aliases=["plan"],
+                       help="plan your model's (default: the built-in GPT's) training step under a budget; save the plan file")
+    _factories(s, "call --inputs with this batch size", built_in=True)
+    _budget(s, f"budget as a fraction of keep_all's predicted peak, in (0, 1] (default {DEFAULT_FRAC} when no "
+               f"budget is given)", required=False)
     s.add_argument("--solver", default="checkmate", choices=STRATEGIES)
     _solver(s)
-    s.add_argument("--out", type=_output_file, default="plan.json", help="the plan file (default plan.json)")
+    s.add_argument("--out", type=output_file, default="plan.json", help="the plan file (default plan.json)")
     s.set_defaults(fn=solve_cmd, parser=s, check=_check_solve)
 
     i = sub.add_parser("inspect", help="a plan file as a table per module, and a plot of memory over the step")
     i.add_argument("plan", type=_plan_file, help="a plan file (remat solve --out)")
-    i.add_argument("--png", type=_output_file, default=None, help="save the memory plot here")
-    i.add_argument("--depth", type=_positive_int, default=None, help="module paths cut to this many parts (h.0)")
-    i.add_argument("--top", type=_positive_int, default=None, help="only the N modules recomputing most")
+    i.add_argument("--png", type=output_file, default=None, help="save the memory plot here")
+    i.add_argument("--depth", type=positive_int, default=None, help="module paths cut to this many parts (h.0)")
+    i.add_argument("--top", type=positive_int, default=None, help="only the N modules recomputing most")
     i.set_defaults(fn=inspect_cmd, parser=i, check=lambda p, a: None)
 
     c = sub.add_parser("check", help="deploy a plan file here: measured vs predicted peak, time, gradients")
     _factories(c, "call --inputs with this batch size", run=True)
     c.add_argument("--plan", type=_plan_file, required=True, help="the plan file to deploy")
-    c.add_argument("--steps", type=_positive_int, default=3, help="timed steps per module (median; default 3)")
+    c.add_argument("--steps", type=positive_int, default=3, help="timed steps per module (median; default 3)")
     c.add_argument("--seed", type=int, default=0, help="torch seed for the steps compared (default 0)")
     c.set_defaults(fn=check_cmd, parser=c, check=_check_check)
 
@@ -152,16 +160,16 @@ def add_commands(sub) -> None:
     m.add_argument("--compare", type=_batches, default=["keep_all"], metavar="S1,S2",
                    help="strategies searched before --solver (default keep_all)")
     _solver(m)
-    m.add_argument("--max-batch", type=_positive_int, default=1 << 16, help="largest batch tried (default 65536)")
-    m.add_argument("--multiple-of", type=_positive_int, default=1, help="try only multiples of this (default 1)")
-    m.add_argument("--out", type=_output_file, default="plan.json",
+    m.add_argument("--max-batch", type=positive_int, default=1 << 16, help="largest batch tried (default 65536)")
+    m.add_argument("--multiple-of", type=positive_int, default=1, help="try only multiples of this (default 1)")
+    m.add_argument("--out", type=output_file, default="plan.json",
                    help="where --solver's plan at its largest batch is saved (default plan.json)")
     m.set_defaults(fn=max_batch_cmd, parser=m, check=_check_max_batch)
 
 
 # ---- checks across arguments (still before any work) ----------------------------------------------
 
-def _check_factories(p: _Parser, a: argparse.Namespace) -> None:
+def _check_factories(p: Parser, a: argparse.Namespace) -> None:
     spec = a.inputs.spec
     if a.batch is not None and not takes_batch(a.inputs):
         p.error(f"argument --batch: --inputs {spec} takes no batch size argument")
@@ -174,21 +182,21 @@ def _check_factories(p: _Parser, a: argparse.Namespace) -> None:
             pass
 
 
-def _check_budget(p: _Parser, a: argparse.Namespace) -> None:
+def _check_budget(p: Parser, a: argparse.Namespace) -> None:
     if a.budget_mib is not None and int(a.budget_mib * MiB) < 1:
         p.error(f"argument --budget-mib: {a.budget_mib:g} MiB is less than one byte")
     if a.budget_gb is not None and int(a.budget_gb * GB) < 1:
         p.error(f"argument --budget-gb: {a.budget_gb:g} GB is less than one byte")
 
 
-def _check_solve(p: _Parser, a: argparse.Namespace) -> None:
+def _check_solve(p: Parser, a: argparse.Namespace) -> None:
     _check_factories(p, a)
     _check_budget(p, a)
     _check_options(p, a)
 
 
-def _check_options(p: _Parser, a: argparse.Namespace) -> None:
-    from remat.validate import _solver as check_solver
+def _check_options(p: Parser, a: argparse.Namespace) -> None:
+    from remat.validate import check_solver
 
     for name in [a.solver, *getattr(a, "compare", [])]:
         try:
@@ -197,7 +205,7 @@ def _check_options(p: _Parser, a: argparse.Namespace) -> None:
             p.error(f"argument --option: {e}")
 
 
-def _check_check(p: _Parser, a: argparse.Namespace) -> None:
+def _check_check(p: Parser, a: argparse.Namespace) -> None:
     _check_factories(p, a)
     dev = a.plan.context.get("device")
     if a.device is None and dev == "cuda" and not torch.cuda.is_available():
@@ -205,7 +213,7 @@ def _check_check(p: _Parser, a: argparse.Namespace) -> None:
                 "run, or solve for this machine (remat solve --device cpu)")
 
 
-def _check_max_batch(p: _Parser, a: argparse.Namespace) -> None:
+def _check_max_batch(p: Parser, a: argparse.Namespace) -> None:
     if not takes_batch(a.inputs):
         p.error(f"argument --inputs: {a.inputs.spec} must take the batch size as its argument (e.g. "
                 f"def example_batch(batch_size): ...) for max-batch")
@@ -228,7 +236,7 @@ def _budget_bytes(a: argparse.Namespace, keep_peak=None) -> int:
         return int(a.budget_gb * GB)
     if a.budget_mib is not None:
         return int(a.budget_mib * MiB)
-    return int(a.budget_frac * keep_peak())
+    return int((a.budget_frac if a.budget_frac is not None else DEFAULT_FRAC) * keep_peak())
 
 
 def _inputs_text(args, kwargs) -> str:
@@ -268,17 +276,17 @@ def solve_cmd(a: argparse.Namespace) -> int:
     options = dict(a.option)
     model, args, kwargs = build(a.model, a.inputs, a.batch)
     device = _planned_device(a, model)
-    _say(f"remat solve: {a.model.spec} on {_inputs_text(args, kwargs)}, for {device}")
-    _say(f"machine: {machine()}")
+    say(f"remat solve: {a.model.spec} on {_inputs_text(args, kwargs)}, for {device}")
+    say(f"machine: {machine()}")
     t0 = time.perf_counter()
     graph, how = capture_graph(model, args, kwargs, fused, device)
-    _say(f"captured the training step with {how}: {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s")
+    say(f"captured the training step with {how}: {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s")
     keep = keep_all_peak(graph)
     budget = _budget_bytes(a, lambda: keep)
     limit = "" if a.solver != "checkmate" else \
         (f", time limit {a.time_limit:g} s" if a.time_limit else ", deterministic work limits")
     try:
-        with _step(f"solving {a.solver} under {budget / MiB:.2f} MiB (keep_all peaks at {keep / MiB:.2f} MiB){limit}"):
+        with step(f"solving {a.solver} under {budget / MiB:.2f} MiB (keep_all peaks at {keep / MiB:.2f} MiB){limit}"):
             plan = solve(graph, budget, solver=a.solver, time_limit_s=a.time_limit, **options)
     except InfeasibleBudgetError as e:
         print(f"remat solve: infeasible: {e}", file=sys.stderr)
@@ -322,13 +330,13 @@ def check_cmd(a: argparse.Namespace) -> int:
     fused = _fused(a, ctx.get("fused_attention", "exact"))
     model, args, kwargs = build(a.model, a.inputs, a.batch, device)
     check_context(plan, model, args, kwargs or None, fused)  # another model, shapes, device: one line, exit 2
-    _say(f"remat check: {plan.loaded_from} ({plan.strategy}, budget "
+    say(f"remat check: {plan.loaded_from} ({plan.strategy}, budget "
          f"{'-' if plan.budget_bytes is None else f'{plan.budget_bytes / MiB:.2f} MiB'}) on {a.model.spec}, "
          f"{_inputs_text(args, kwargs)}")
-    _say(f"machine: {machine()}")
+    say(f"machine: {machine()}")
     if ctx.get("torch") and ctx["torch"] != torch.__version__:
-        _say(f"note: the plan was made with torch {ctx['torch']}, this is {torch.__version__}")
-    with _step(f"deploying the plan and keep_all, running {a.steps} steps each and the unmodified model"):
+        say(f"note: the plan was made with torch {ctx['torch']}, this is {torch.__version__}")
+    with step(f"deploying the plan and keep_all, running {a.steps} steps each and the unmodified model"):
         r = check_plan(model, args, kwargs, plan, steps=a.steps, seed=a.seed, fused_attention=fused)
     print(f"graph fingerprint {r.plan.graph.fingerprint()}: the graph the plan was made for")
     w = 10
@@ -371,15 +379,15 @@ def max_batch_cmd(a: argparse.Namespace) -> int:
 
     budget = _budget_bytes(a, lambda: keep_all_peak(graph_at(a.batch)[0]))
     what = f" ({a.budget_frac:g} of keep_all's predicted peak at batch {a.batch})" if a.budget_frac else ""
-    _say(f"remat max-batch: {a.model.spec}, {a.inputs.spec}(batch), for {device}, budget {budget / MiB:.2f} MiB{what}")
-    _say(f"machine: {machine()}")
+    say(f"remat max-batch: {a.model.spec}, {a.inputs.spec}(batch), for {device}, budget {budget / MiB:.2f} MiB{what}")
+    say(f"machine: {machine()}")
     order = list(dict.fromkeys([*a.compare, a.solver]))
     found, start = [], a.batch or 1
     for s in order:
-        _say(f"{s}: searching ...")
+        say(f"{s}: searching ...")
         r = largest_batch(s, budget, graph_at, start=start, max_batch=a.max_batch, multiple=a.multiple_of,
                           time_limit_s=a.time_limit,
-                          options=options if s == a.solver else {}, say=_say)
+                          options=options if s == a.solver else {}, say=say)
         found.append(r)
         start = max(1, r.batch)
     print(f"{'strategy':<14} {'largest batch':>13} {'predicted MiB':>13} {'extra compute':>13} {'probes':>6} {'time s':>7}")

@@ -34,9 +34,10 @@ from torch import nn
 
 from remat.measure import measure_peak
 from remat.runtime.compile import CompiledPeakWarning
-from remat.solver.plan import InfeasibleBudgetError
+from remat.runtime.module import PlannedStep
+from remat.core.plan import InfeasibleBudgetError
 
-__all__ = ["FIT_WITHIN", "MAX_ROUNDS", "fit_compiled", "measure_compiled_peak"]
+__all__ = ["FIT_WITHIN", "MAX_ROUNDS", "fit_compiled", "measure_compiled_peak", "untouched"]
 
 MAX_ROUNDS = 4  # plans solved and compiled at most; each costs an Inductor compilation
 FIT_WITHIN = 0.01  # a compiled peak this close below the budget (a fraction of it) ends the search
@@ -44,7 +45,7 @@ MIB = 2 ** 20
 
 
 @contextmanager
-def _untouched(model: nn.Module, device: torch.device | None):
+def untouched(model: nn.Module, device: torch.device | None):
     """Run steps on `model` and leave it as it was: its gradients (moved off the GPU meanwhile, so
     they are not counted in the measured peak), its buffers and the random generators' states."""
     params = [p for p in model.parameters()]
@@ -65,8 +66,8 @@ def _untouched(model: nn.Module, device: torch.device | None):
 
 
 def measure_compiled_peak(module, model: nn.Module, args: Sequence, kwargs: dict) -> int:
-    """Peak bytes of a step of `module` (a RematModule whose graphs use Inductor) on the example
-    inputs, after one step that compiles; the model is left as it was."""
+    """Peak bytes of a step of `module` (a RematModule or PlannedStep whose graphs use Inductor) on
+    the example inputs, after one step that compiles; the model is left as it was."""
     resident = [model, *args, *kwargs.values()]
     devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
     device = next((d for d in devices if d.type == "cuda"), None)
@@ -76,15 +77,17 @@ def measure_compiled_peak(module, model: nn.Module, args: Sequence, kwargs: dict
         for p in model.parameters():
             p.grad = None
 
-    with _untouched(model, device):
+    with untouched(model, device):
         step()  # compiles both graphs
         return measure_peak(step, resident=resident, device=device)
 
 
-def fit_compiled(build: Callable[[int], object], budget: int, model: nn.Module, args: Sequence, kwargs: dict):
-    """The module `build(b)` plans, over the plan budgets b tried (see the module docstring), whose
-    compiled step's measured peak is within `budget` and whose plan recomputes least. The returned
-    module's `compiled_fit` lists each round as (the plan's budget, the compiled step's measured peak)."""
+def fit_compiled(build: Callable[[int], PlannedStep], budget: int, model: nn.Module, args: Sequence,
+                 kwargs: dict) -> PlannedStep:
+    """The planned step `build(b)` makes, over the plan budgets b tried (see the module docstring),
+    whose compiled step's measured peak is within `budget` and whose plan recomputes least. The
+    returned step's `compiled_fit` lists each round as (the plan's budget, the compiled step's
+    measured peak)."""
     rounds: list[tuple[int, int]] = []
     best = None  # the fitting module whose plan recomputes least
     fitted, overshot = None, None  # the highest plan budget that fitted, the lowest that overshot
@@ -103,12 +106,12 @@ def fit_compiled(build: Callable[[int], object], budget: int, model: nn.Module, 
             raise InfeasibleBudgetError(
                 f"no plan's compiled step fits {budget / MIB:.2f} MiB: {_said(rounds)}; planning at "
                 f"{b / MIB:.2f} MiB is infeasible ({exc})") from exc  # min_feasible_bytes: unknown compiled
-        if not module._signature.outputs.single_scalar:
+        if not module.signature.outputs.single_scalar:
             raise ValueError("compiled=True measures a training step on the example inputs: the model must "
-                             f"return a single loss, not {module._signature.outputs.describe()}")
+                             f"return a single loss, not {module.signature.outputs.describe()}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CompiledPeakWarning)  # the peak is measured here, not assumed
-            module.planned_graphs.use_inductor()
+            module.graphs.use_inductor()
         peak = measure_compiled_peak(module, model, args, kwargs)
         rounds.append((b, peak))
         if peak > budget:
@@ -128,7 +131,7 @@ def fit_compiled(build: Callable[[int], object], budget: int, model: nn.Module, 
         if any(b == tried for tried, _ in rounds):
             break  # the search has closed in on a plan budget already measured
     if best is not None:
-        best.__dict__["compiled_fit"] = rounds
+        best.compiled_fit = rounds
         return best
     raise InfeasibleBudgetError(f"no plan's compiled step fitted {budget / MIB:.2f} MiB in {len(rounds)} rounds: "
                                 f"{_said(rounds)}")

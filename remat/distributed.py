@@ -40,11 +40,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.api import _smallest_feasible, capture, optimize, solve
+from remat.api import capture, optimize, solve
+from remat.blockwise import level_plans
 from remat.measure import measure_peak
 from remat.runtime.distributed import BlockProfile, block_profile, broadcast_plans, ddp_reserved_bytes, fit_block_level
 from remat.runtime.module import OutsideBudgetWarning, RematModule
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 from remat.validate import budget_in_bytes
 
 __all__ = ["ShardedPlan", "fully_shard_with_remat", "block_inputs", "ddp_reserved_bytes"]
@@ -111,19 +112,6 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
                 setattr(m, child_name, new)
                 return
     raise ValueError(f"{type(old).__name__} is not a submodule of {type(model).__name__}")
-
-
-def _level_plans(graph, budget_levels: int, solver: str, time_limit_s, solver_kwargs) -> list[Plan]:
-    """Plans for `graph` at `budget_levels` budgets from its smallest feasible one to keep_all's peak."""
-    from remat.solver import get_solver
-
-    low = _smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
-    high = max(get_solver("keep_all")(graph, None).predicted_peak_bytes, low)
-    plans = []
-    for j in range(budget_levels):
-        b = low + (high - low) * j // max(budget_levels - 1, 1)
-        plans.append(solve(graph, b, solver=solver, time_limit_s=time_limit_s, **solver_kwargs))
-    return plans
 
 
 def _loss(out: Any, loss_fn: Callable | None) -> torch.Tensor:
@@ -210,7 +198,7 @@ def _fully_shard_with_remat(model, blocks, example_inputs, budget_bytes, budget_
     first = {fp: next(g for g in graphs if g.fingerprint() == fp) for fp in distinct}
 
     def make() -> list[Plan]:
-        return [p for fp in distinct for p in _level_plans(first[fp], levels, solver, time_limit_s, solver_kwargs)]
+        return [p for fp in distinct for p in level_plans(first[fp], levels, solver, time_limit_s, solver_kwargs)]
 
     flat_plans = broadcast_plans(make, src=solve_on_rank)
     by_graph = {fp: flat_plans[i * levels:(i + 1) * levels] for i, fp in enumerate(distinct)}

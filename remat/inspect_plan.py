@@ -12,15 +12,16 @@ says so.
 """
 from __future__ import annotations
 
+from remat.core.errors import RematError
 from remat.machine_info import MiB
-from remat.solver.plan import Plan
-from remat.solver.plan_summary import TOP_LEVEL, module_summary, rollup, step_timeline
+from remat.core.plan import Plan
+from remat.core.module_summary import TOP_LEVEL, module_summary, rollup, step_timeline
 from remat.solver.schedule import keep_all_schedule
 
 __all__ = ["summary_text", "plot_timeline", "NeedsGraphError"]
 
 
-class NeedsGraphError(ValueError):
+class NeedsGraphError(RematError, ValueError):
     """The plan has no graph saved with it (a schema 1 file): it cannot be tabled or plotted."""
 
 

@@ -31,14 +31,14 @@ import torch.nn as nn
 
 from remat.api import capture
 from remat.attention.router import fused_attention_mode, route_attention
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.machine_info import MiB
 from remat.measure import measure_peak
-from remat.plan_file import input_tensors
+from remat.deployment import input_tensors
 from remat.solver import get_solver
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 from remat.solver.schedule import keep_all_schedule
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from remat.validate import RematArgumentError, check_solve_args
 
 __all__ = ["load_factory", "takes_batch", "build", "capture_graph", "keep_all_peak", "try_solve",

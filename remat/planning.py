@@ -24,13 +24,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.api import _as_tuple, solve
-from remat.graph_capture import progress
+from remat.api import solve
+from remat.core import progress
 from remat.graph_capture.fake_capture import capture_without_memory, planned_device
 from remat.graph_capture.scaled_workspace import ProbeLimits
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan
-from remat.validate import RematArgumentError, RematArgumentTypeError, budget_in_bytes, check_optimize_args
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan import Plan
+from remat.validate import (RematArgumentError, RematArgumentTypeError, budget_in_bytes, check_optimize_args,
+                            example_arguments)
 
 __all__ = ["plan", "capture_without_memory", "ProbeLimits"]
 
@@ -87,7 +88,7 @@ def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, 
         raise RematArgumentError("remat.plan cannot plan a step under CUDA autocast (it traces on the CPU); "
                                  "solve on the GPU with remat.optimize, or plan in full precision")
     with progress.quiet(quiet):
-        graph = capture_without_memory(model, _as_tuple(example_inputs), example_kwargs, device=dev,
+        graph = capture_without_memory(model, example_arguments(example_inputs), example_kwargs, device=dev,
                                        fused_attention=fused_attention, limits=limits)
         solved = solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
     return dataclasses.replace(solved, details={**solved.details, **plan_details(graph)})

@@ -14,7 +14,7 @@ from remat.api import optimize
 from remat.attention.router import fused_attention_mode, route_attention
 from remat.machine_info import MiB
 from remat.measure import count_flops, measure_peak
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 
 __all__ = ["StrategyRow", "training_step", "run_strategy", "format_table", "reference_step"]
 

@@ -8,6 +8,8 @@ line, so a NaN budget or a misspelt solver fails in microseconds, not after a mi
 """
 from __future__ import annotations
 
+from remat.core.errors import RematError
+
 import inspect
 import math
 import numbers
@@ -15,12 +17,12 @@ import os
 from typing import Any
 
 __all__ = ["RematArgumentError", "RematArgumentTypeError", "budget_in_bytes", "check_optimize_args",
-           "check_capture_args", "check_solve_args"]
+           "check_capture_args", "check_solve_args", "check_solver", "example_arguments"]
 
 GB = 1e9  # budget_gb is in units of 10^9 bytes
 
 
-class RematArgumentError(ValueError):
+class RematArgumentError(RematError, ValueError):
     """An argument of remat's API has a value remat cannot use; the message names it."""
 
 
@@ -72,13 +74,14 @@ def budget_in_bytes(budget_gb: Any = None, budget_bytes: Any = None) -> int | No
 
 
 def _time_limit(time_limit_s: Any) -> None:
-    if time_limit_s is None:  # (engineer B) no wall-clock limit: the solver's deterministic work limits
+    if time_limit_s is None:  # no wall-clock limit: the solver's deterministic work limits
         return
     if _real("time_limit_s", time_limit_s) <= 0:
         raise RematArgumentError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
 
 
-def _solver(solver: Any, solver_kwargs: dict) -> None:
+def check_solver(solver: Any, solver_kwargs: dict) -> None:
+    """A strategy name and its options: RematArgumentError naming a bad one."""
     from remat.solver import STRATEGIES, get_solver
 
     if not isinstance(solver, str):
@@ -151,6 +154,19 @@ def _example_inputs(example_inputs: Any, example_kwargs: Any) -> None:
             raise RematArgumentTypeError(f"example_kwargs' keys must be argument names (str), got {bad[0]!r}")
 
 
+def example_arguments(example_inputs: Any) -> tuple:
+    """The example inputs as a tuple of positional arguments (a tensor alone is one argument)."""
+    import torch
+
+    if example_inputs is None:
+        raise ValueError("example_inputs is required: remat traces one training step to plan it")
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (list, tuple)):
+        return tuple(example_inputs)
+    raise TypeError(f"example_inputs must be a tensor or a tuple of arguments, got {type(example_inputs).__name__}")
+
+
 def check_capture_args(model: Any, example_inputs: Any, example_kwargs: Any = None,
                        fused_attention: Any = True, cost_model: Any = "flops") -> None:
     """The arguments of `remat.capture`."""
@@ -163,21 +179,21 @@ def check_capture_args(model: Any, example_inputs: Any, example_kwargs: Any = No
 def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", time_limit_s: Any = 60.0,
                      solver_kwargs: dict | None = None) -> None:
     """The arguments of `remat.solve` (a budget of None asks for no budget)."""
-    from remat.graph_capture.training_graph import TrainingGraph
+    from remat.core.training_graph import TrainingGraph
 
     if not isinstance(graph, TrainingGraph):
         raise RematArgumentTypeError(f"graph must be a TrainingGraph (from remat.capture), got {_kind(graph)}")
     budget_in_bytes(budget_bytes=budget_bytes)
-    _solver(solver, solver_kwargs or {})
+    check_solver(solver, solver_kwargs or {})
     _time_limit(time_limit_s)
 
 
 def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_inputs: Any, example_kwargs: Any,
                         solver: Any, time_limit_s: Any, plan: Any, fused_attention: Any,
                         solver_kwargs: dict | None = None, cost_model: Any = "flops", compiled: Any = False,
-                        solve_on_rank: Any = None) -> None:
+                        solve_on_rank: Any = None, cache_limit: Any = 8) -> None:
     """The arguments of `remat.optimize`."""
-    from remat.solver.plan import Plan
+    from remat.core.plan import Plan
 
     check_capture_args(model, example_inputs, example_kwargs, fused_attention, cost_model)
     budget = budget_in_bytes(budget_gb, budget_bytes)
@@ -185,10 +201,14 @@ def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_i
         raise RematArgumentTypeError(f"plan must be a remat.Plan or the path of a saved plan, got {_kind(plan)}")
     if budget is None and plan is None and solver != "keep_all":  # keep_all needs no budget
         raise RematArgumentError("give budget_gb or budget_bytes (or a saved plan=, or solver='keep_all')")
-    _solver(solver, solver_kwargs or {})
+    check_solver(solver, solver_kwargs or {})
     _time_limit(time_limit_s)
     if not isinstance(compiled, bool):
         raise RematArgumentTypeError(f"compiled must be True or False, got {_kind(compiled)}")
+    if isinstance(cache_limit, bool) or not isinstance(cache_limit, int):
+        raise RematArgumentTypeError(f"cache_limit must be a positive integer, got {_kind(cache_limit)}")
+    if cache_limit < 1:
+        raise RematArgumentError(f"cache_limit must be at least 1 (planned steps kept), got {cache_limit}")
     if compiled and budget is None:
         raise RematArgumentError("compiled=True plans again under the budget while the compiled step exceeds it: "
                                  "give budget_gb or budget_bytes")

@@ -29,16 +29,17 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from remat.core.errors import RematWarning
 from remat.compat.torch_private import inductor_compile
 from remat.graph_capture import bn_replay  # noqa: F401  (registers remat::batch_norm_stats, looked up below)
-from remat.graph_capture.joint import _compile_identity
+from remat.graph_capture.joint import run_boxed
 
 __all__ = ["PlannedGraphs", "GraphRunner", "RECOMPUTED", "CompiledPeakWarning"]
 
 RECOMPUTED = "remat_recomputed"  # node.meta key the runtime sets on recomputations in the backward
 
 
-class CompiledPeakWarning(UserWarning):
+class CompiledPeakWarning(RematWarning):
     """The plan's graphs run as Inductor compiled them: the step's peak is Inductor's, not the
     plan's prediction, and can exceed the budget (`python benchmarks/compile_budget.py` measures by
     how much). `remat.optimize(..., compiled=True)` measures it instead (remat/compiled_fit.py)."""
@@ -54,7 +55,7 @@ class GraphRunner:
 
     def __init__(self, gm: fx.GraphModule, is_backward: bool):
         self.gm = gm
-        self._eager = _compile_identity(gm, None)  # the fx code, boxed
+        self._eager = run_boxed(gm, None)  # the fx code, boxed
         self.is_backward = is_backward
         # remat::batch_norm hands its statistics to remat::batch_norm_stats on its output tensor;
         # Inductor can pass a copy of that tensor instead (seen on MobileNet: a fused kernel wrote

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from remat.core.errors import RematError
 from remat.compat.torch_private import disable_current_modes, disable_torch_function
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.runtime.partition import PlanMismatchError
-from remat.solver.plan import InfeasibleBudgetError, Plan
-from remat.solver.simulator import forward_end, simulate
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan import PlanMismatchError
+from remat.core.plan import InfeasibleBudgetError, Plan
+from remat.core.simulator import forward_end, simulate
 
 DDP_BOOKKEEPING_BYTES = 4096  # the reducer's small tensors besides the buckets (measured: up to 640 bytes)
 
@@ -39,7 +40,7 @@ __all__ = ["plan_on_one_rank", "broadcast_plans", "ddp_reserved_bytes", "DDP_BOO
            "BlockProfile", "block_profile", "fit_block_level", "DistributedPlanError"]
 
 
-class DistributedPlanError(RuntimeError):
+class DistributedPlanError(RematError, RuntimeError):
     """The rank that plans for the others failed with an error this rank cannot rebuild; the message
     names that rank and its error."""
 

@@ -17,13 +17,9 @@ from remat.graph_capture.bn_replay import is_recomputable_batch_norm, recomputat
 from remat.graph_capture.build import JointGraphInfo
 from remat.graph_capture.rng_replay import is_replayable_dropout
 from remat.runtime.compile import RECOMPUTED
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 
-__all__ = ["scheduled_joint_graph", "partition_with_plan", "PlanMismatchError"]
-
-
-class PlanMismatchError(ValueError):
-    """The plan was made for a different training graph than the one traced now."""
+__all__ = ["scheduled_joint_graph", "partition_with_plan"]
 
 
 def _forward_boundary(info: JointGraphInfo, schedule: list[str]) -> int:

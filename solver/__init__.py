@@ -1,8 +1,8 @@
 """Solvers: one module per strategy, one signature `solve(graph, budget_bytes, ...) -> Plan`."""
 import threading
 
-from remat.solver.plan import InfeasibleBudgetError, Plan, plan_from_schedule
-from remat.solver.simulator import ScheduleError, SimResult, simulate
+from remat.core.plan import InfeasibleBudgetError, Plan, plan_from_schedule
+from remat.core.simulator import ScheduleError, SimResult, simulate
 
 __all__ = ["Plan", "InfeasibleBudgetError", "plan_from_schedule", "simulate", "SimResult",
            "ScheduleError", "STRATEGIES", "get_solver"]

@@ -15,6 +15,8 @@ raised as `BackendError`, so the caller can fall back to another backend.
 """
 from __future__ import annotations
 
+from remat.core.errors import RematError
+
 import functools
 import math
 import os
@@ -24,12 +26,12 @@ import warnings
 from dataclasses import dataclass
 
 __all__ = ["Limits", "Outcome", "BackendError", "BACKENDS", "available", "default_backend",
-           "attempts", "run"]
+           "attempts", "run", "new_highs"]
 
 BACKENDS = ("highs", "cbc")  # in order of preference: the first available one is the default
 
 
-class BackendError(RuntimeError):
+class BackendError(RematError, RuntimeError):
     """A MILP backend failed (error, crash, unexpected status): try the next one."""
 
 
@@ -146,7 +148,7 @@ def _run_highs(prob, limits: Limits, warm: bool, msg: bool) -> Outcome:
         rhs = -c.constant  # PuLP keeps the constant on the left: sum a x + constant (sense) 0
         rlo.append(rhs if c.sense in (pulp.const.LpConstraintGE, pulp.const.LpConstraintEQ) else -inf)
         rup.append(rhs if c.sense in (pulp.const.LpConstraintLE, pulp.const.LpConstraintEQ) else inf)
-    h = _new_highs(highspy) if not msg else highspy.Highs()
+    h = new_highs(highspy) if not msg else highspy.Highs()
     h.setOptionValue("output_flag", bool(msg))
     options = {"mip_rel_gap": limits.mip_gap, "mip_max_nodes": limits.max_nodes,
                "time_limit": limits.time_limit_s, "threads": limits.threads, "random_seed": 0}
@@ -249,7 +251,7 @@ def _run_cbc(prob, limits: Limits, warm: bool, msg: bool) -> Outcome:
     return Outcome("feasible", objective=obj, bound=bound, gap=gap, stopped_by=stopped)
 
 
-def _new_highs(highspy):
+def new_highs(highspy):
     """A Highs instance without its banner: the C++ constructor prints it to the process's stdout
     (once per process), before any option can turn output off, into the middle of the user's own
     output. stdout's file descriptor points at /dev/null for the constructor alone."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.solver.relaxation import SAFETY, Relaxation
 from remat.solver.sparse_lp import Solution
 
@@ -97,7 +97,7 @@ def point_of_schedule(rel: Relaxation, schedule: list[str]) -> np.ndarray:
     interval, a sitting state = the state of the group's sitting row of least modelled memory,
     W and y = the parts carried through an interval. A schedule within the budget satisfies every
     row at an objective no higher than its extra cost."""
-    from remat.solver.simulator import last_reads
+    from remat.core.simulator import last_reads
 
     g = rel.g
     idx, n = g.index, rel.n
@@ -137,7 +137,7 @@ def point_of_schedule(rel: Relaxation, schedule: list[str]) -> np.ndarray:
     at[-1] = math.inf
     x = np.zeros(rel.model.num_vars)
     if rel.peak is not None:
-        from remat.solver.simulator import simulate
+        from remat.core.simulator import simulate
 
         x[rel.peak] = simulate(g, schedule).peak_bytes / rel.mem_scale
     for (u, k, s), col in rel.L.items():

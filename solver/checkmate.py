@@ -27,7 +27,7 @@ import math
 import time
 from dataclasses import asdict
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.solver import equal_spacing
 from remat.solver.backends import available as backend_available
 from remat.solver.backends import attempts, default_backend
@@ -38,9 +38,9 @@ from remat.solver.checkmate_lowest import MILP_MAX_COARSE_NODES, lowest_peak_pla
 from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, set_start, solution_stages
 from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph, judge_schedules,
                                            plan_from_stages)
-from remat.solver.plan import Plan, PlanStatus, plan_from_schedule
+from remat.core.plan import Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 
 __all__ = ["solve", "min_feasible_budget", "node_limit", "SolverFallbackWarning", "DEFAULT_COARSEN_TO",
            "NODE_WORK", "MIN_NODES", "MILP_MAX_COARSE_NODES"]

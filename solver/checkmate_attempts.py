@@ -11,6 +11,7 @@ import time
 import warnings
 from dataclasses import replace
 
+from remat.core.errors import RematWarning
 from remat.solver.backends import BackendError, Limits, Outcome, attempts
 from remat.solver.backends import run as run_backend
 from remat.solver.checkmate_model import MilpModel
@@ -30,7 +31,7 @@ MIN_NODES = 1
 POLISH_RESERVE_S = 3.0  # of a wall-clock time_limit_s, seconds kept for the fine refinement
 
 
-class SolverFallbackWarning(UserWarning):
+class SolverFallbackWarning(RematWarning):
     """A MILP backend failed; the plan came from another backend or a heuristic (plan.details)."""
 
 

@@ -15,13 +15,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from remat.graph_capture.progress import stage
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.progress import stage
+from remat.core.training_graph import TrainingGraph
 from remat.solver.bounds import safe_bound
 from remat.solver.certify import certify
 from remat.solver.guided import best_guided
 from remat.solver.relaxation import Relaxation
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS"]
 

@@ -17,7 +17,7 @@ import time
 import weakref
 from dataclasses import replace
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.solver import equal_spacing
 from remat.solver.backends import Limits, default_backend
 from remat.solver.checkmate_attempts import cut_to_deadline, make_limits, solve_milp, warn_fallback
@@ -27,9 +27,9 @@ from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedule
 from remat.solver.checkmate_certified import certified_search
 from remat.solver.guided import descend, lowest_peak_search
 from remat.solver.peak_relief import relieve_peak
-from remat.solver.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
+from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 
 __all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES"]
 

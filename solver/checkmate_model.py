@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 
 __all__ = ["MilpModel", "build_model", "set_start", "solution_stages", "milp_peak", "memory_unit"]
 

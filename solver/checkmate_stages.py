@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.solver import equal_spacing
 from remat.solver.coarsen import coarsen, expand_schedule
-from remat.solver.plan import Plan, plan_from_schedule
+from remat.core.plan import Plan, plan_from_schedule
 from remat.solver.refine import prune_unread
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 
 __all__ = ["DEFAULT_COARSEN_TO", "coarse_graph", "stages_of", "normalise_stages", "flat_schedule",
            "baseline_schedules", "judge_schedules", "plan_from_stages"]

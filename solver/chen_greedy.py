@@ -34,9 +34,9 @@ from __future__ import annotations
 import math
 import time
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.solver.equal_spacing import checkpoint_candidates
-from remat.solver.plan import Plan, finished, plan_from_schedule
+from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting, schedule_from_kept
 
 __all__ = ["solve", "segment", "thresholds"]

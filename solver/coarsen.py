@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.core.training_graph import Node, TrainingGraph
 
 __all__ = ["CoarseGraph", "coarsen", "expand_schedule", "group_node"]
 

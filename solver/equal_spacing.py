@@ -11,8 +11,8 @@ import time
 
 import networkx as nx
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, finished, plan_from_schedule
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting, schedule_from_kept
 
 __all__ = ["solve", "checkpoint_candidates"]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.solver.keep_more import keep_more
 from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.relaxation import SAFETY, Relaxation
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 
 __all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS"]
 
@@ -149,7 +149,7 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
     and, at every step over the budget, forgets the live forward values with the least
     recomputation cost per byte, enough of them to cover that step's excess, after the last first
     computation before the step. None when nothing more can be dropped."""
-    from remat.solver.simulator import last_reads
+    from remat.core.simulator import last_reads
 
     nodes, idx = graph.nodes, graph.index
     inputs = [{idx[i] for i in v.inputs} for v in nodes]

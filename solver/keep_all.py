@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, finished, plan_from_schedule
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import keep_all_schedule
 
 __all__ = ["solve"]

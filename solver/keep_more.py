@@ -9,8 +9,8 @@ budget and costs less. The simulator judges every trial; the number of trials is
 """
 from __future__ import annotations
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.simulator import simulate
+from remat.core.training_graph import TrainingGraph
+from remat.core.simulator import simulate
 
 __all__ = ["keep_more"]
 

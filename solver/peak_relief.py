@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import time
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.solver.refine import prune_unread
-from remat.solver.simulator import ScheduleError, SimResult, simulate
+from remat.core.simulator import ScheduleError, SimResult, simulate
 
 __all__ = ["relieve_peak"]
 

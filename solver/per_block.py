@@ -38,8 +38,8 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, finished, plan_from_schedule
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import schedule_from_kept
 
 __all__ = ["solve", "find_blocks", "repeated_containers", "block_kept"]

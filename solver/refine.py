@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.simulator import last_reads, simulate
+from remat.core.training_graph import TrainingGraph
+from remat.core.simulator import last_reads, simulate
 
 __all__ = ["prune_unread", "drop_recomputations"]
 
@@ -77,7 +77,7 @@ def _drop_round(graph: TrainingGraph, sched: list[str], budget_bytes: int, exact
     """The steps of one round of drop_recomputations (see there)."""
     import numpy as np
 
-    from remat.solver.simulator import _parts_read
+    from remat.core.simulator import parts_read
 
     sim = simulate(graph, sched)
     timeline = np.array(sim.timeline, dtype=np.float64)
@@ -91,7 +91,7 @@ def _drop_round(graph: TrainingGraph, sched: list[str], budget_bytes: int, exact
     for s, v in enumerate(nodes):
         for i in v.inputs:
             src = current[i]
-            for k in _parts_read(graph.nodes[idx[i]], v.name):
+            for k in parts_read(graph.nodes[idx[i]], v.name):
                 reads.setdefault((src, k), []).append(s)
                 read_by.setdefault(s, []).append((src, k))
         if v.name in current:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.solver.relaxation_rows import build_rows
 from remat.solver.sparse_lp import SparseModel
 
@@ -178,7 +178,7 @@ class Relaxation:
         self.budget_given = budget is not None
         if budget is None:
             from remat.solver.schedule import keep_all_schedule
-            from remat.solver.simulator import simulate
+            from remat.core.simulator import simulate
 
             budget = simulate(graph, keep_all_schedule(graph)).peak_bytes  # scale only
         self.budget = budget

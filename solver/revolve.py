@@ -57,14 +57,15 @@ from functools import lru_cache
 
 import networkx as nx
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, finished, plan_from_schedule
+from remat.core.errors import RematError
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting
 
 __all__ = ["solve", "NotAChainError", "Chain", "find_chain", "revolve_actions", "griewank_p", "optimal_advances"]
 
 
-class NotAChainError(ValueError):
+class NotAChainError(RematError, ValueError):
     """The training graph is not a chain in revolve's sense (see remat.solver.revolve): the message
     names the node that breaks it. Use another strategy (checkmate, equal_spacing, ...)."""
 

@@ -12,11 +12,10 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.graph_capture.rng_replay import RNG_STATE_OP
+from remat.core.training_graph import RNG_STATE_OP, TrainingGraph
 
 if TYPE_CHECKING:  # only for annotations: plan.py builds on this module
-    from remat.solver.plan import Plan
+    from remat.core.plan import Plan
 
 __all__ = ["schedule_from_kept", "keep_all_schedule", "cheapest_fitting"]
 
@@ -69,7 +68,7 @@ def cheapest_fitting(plans: Iterable["Plan"]) -> "Plan":
     if lowest is None:
         raise ValueError("no candidate plan to choose from")
     if best is None:
-        from remat.solver.plan import PlanStatus  # (plan.py imports the simulator, which imports this)
+        from remat.core.plan import PlanStatus  # (plan.py imports the simulator, which imports this)
 
         return dataclasses.replace(lowest, status=PlanStatus.INFEASIBLE)
     return best

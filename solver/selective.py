@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import time
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan import Plan, finished, plan_from_schedule
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import schedule_from_kept
 
 __all__ = ["solve", "attention_cores", "core_outputs", "SOFTMAX_OPS", "MATMUL_OPS", "FUSED_ATTENTION_OPS"]

@@ -83,9 +83,9 @@ class SparseModel:
         model's own (the branch-and-bound's class rows)."""
         import highspy
 
-        from remat.solver.backends import _new_highs
+        from remat.solver.backends import new_highs
 
-        h = _new_highs(highspy) if not msg else highspy.Highs()
+        h = new_highs(highspy) if not msg else highspy.Highs()
         h.setOptionValue("output_flag", bool(msg))
         opts = {"threads": 1, "random_seed": 0, "mip_rel_gap": mip_gap, "mip_abs_gap": 0.0}
         if max_nodes is not None:

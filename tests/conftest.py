@@ -13,7 +13,7 @@ import heapq
 import os
 import random
 
-from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.core.training_graph import Node, TrainingGraph
 
 __all__ = ["training_chain", "transformer_like", "random_dag", "with_backward", "brute_force", "random_schedule"]
 

@@ -9,7 +9,7 @@ from remat.api import capture
 from remat.default_model import GPTConfig, default_inputs, default_model
 from remat.report import reference_step, run_strategy
 from remat.solver.checkmate import min_feasible_budget
-from remat.solver.plan import InfeasibleBudgetError
+from remat.core.plan import InfeasibleBudgetError
 
 CFG = GPTConfig(n_layer=4, block_size=256, dropout=0.1)
 

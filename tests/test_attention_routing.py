@@ -200,7 +200,7 @@ def test_explicit_cross_attention_and_scores_used_elsewhere():
 def test_recomputed_fused_attention_with_dropout_regenerates_its_masks():
     """A plan that keeps no fused-attention output recomputes the op in the backward from its kept
     seed: the module is still bit-identical to the eagerly fused model."""
-    from remat.solver.plan import plan_from_schedule
+    from remat.core.plan import plan_from_schedule
     from remat.solver.schedule import schedule_from_kept
 
     cfg = GPTConfig(**{**CFG, "attn_dropout": 0.1}, attention="explicit")

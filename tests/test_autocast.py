@@ -183,38 +183,41 @@ def test_fused_attention_does_not_reproduce_eager_autocast():
     assert not all(results["all"])
 
 
-def test_fp32_plan_called_under_autocast_is_a_clear_error():
+def _close(got, ref, rtol=1e-5, atol=1e-6):
+    for a, b in zip([got[0]] + got[1], [ref[0]] + ref[1]):
+        assert torch.allclose(a, b, rtol=rtol, atol=atol)
+
+
+def test_fp32_plan_called_under_autocast_is_planned_for_it():
+    """A call under another autocast state was once refused (AutocastMismatchError); the graph has
+    its casts built in, so it is now another kind of call, traced and planned under that autocast."""
     model, inputs = small_gpt(dropout=0.0)
+    params = list(model.parameters())
     opt = remat.optimize(model, budget_bytes=2**40, example_inputs=inputs, solver="keep_all")
-    with pytest.raises(AutocastMismatchError) as e, torch.autocast(**BF16):
-        opt(*inputs)
-    msg = str(e.value)
-    assert "planned under no autocast" in msg and "torch.autocast('cpu', dtype=torch.bfloat16)" in msg
-    assert "remat.optimize under the same autocast" in msg
+    _close(_loss_and_grads(opt, params, inputs, BF16), _loss_and_grads(model, params, inputs, BF16),
+           rtol=2e-2, atol=2e-3)  # bfloat16: the fused attention rounds where eager's does not
+    assert len(opt.plans) == 2 and "autocast" in opt.plan_log[-1].call
     # a backward under autocast after a forward without it: eager would cast the backward's ops
     loss = opt(*inputs)
     with pytest.raises(AutocastMismatchError, match="backward of a module planned under no autocast"), \
             torch.autocast(**BF16):
         loss.backward()
     # without autocast it still trains as the model (its attention fused: up to float32 rounding)
-    params = list(model.parameters())
-    ref = _loss_and_grads(model, params, inputs, None)
-    got = _loss_and_grads(opt, params, inputs, None)
-    for a, b in zip([got[0]] + got[1], [ref[0]] + ref[1]):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    _close(_loss_and_grads(opt, params, inputs, None), _loss_and_grads(model, params, inputs, None))
+    assert len(opt.plans) == 2
 
 
-def test_bf16_plan_called_without_or_under_other_autocast_is_a_clear_error():
+def test_bf16_plan_called_without_or_under_other_autocast_is_planned_for_each():
     model, inputs = small_gpt(dropout=0.0)
+    params = list(model.parameters())
     with torch.autocast(**BF16):
         opt = remat.optimize(model, budget_bytes=2**40, example_inputs=inputs, solver="keep_all")
-    with pytest.raises(AutocastMismatchError, match=r"planned under torch.autocast\('cpu', dtype=torch.bfloat16\) "
-                                                    r"but is called under no autocast"):
-        opt(*inputs)
-    with pytest.raises(AutocastMismatchError, match="called under torch.autocast\\('cpu', dtype=torch.float16\\)"), \
-            torch.autocast("cpu", dtype=torch.float16):
-        opt(*inputs)
-    # eval mode and no_grad run the model itself: any autocast state is the model's business
+    assert opt.plan.context["autocast"].startswith("torch.autocast('cpu', dtype=torch.bfloat16)")
+    _close(_loss_and_grads(opt, params, inputs, None), _loss_and_grads(model, params, inputs, None))
+    fp16 = dict(device_type="cpu", dtype=torch.float16)
+    _close(_loss_and_grads(opt, params, inputs, fp16), _loss_and_grads(model, params, inputs, fp16),
+           rtol=2e-2, atol=2e-3)
+    assert len(opt.plans) == 3
+    # no_grad runs the model itself: any autocast state is the model's business
     with torch.no_grad():
         assert torch.equal(opt(*inputs), model(*inputs))
-    assert opt._step.autocast_state.enabled  # recorded on the planned step

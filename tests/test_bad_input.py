@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.api import _budget
+from remat.validate import budget_in_bytes as _budget
 from remat.default_model import GPTConfig
-from remat.solver.plan import Plan, PlanFileError
+from remat.core.plan import Plan, PlanFileError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 from tests.conftest import training_chain
 

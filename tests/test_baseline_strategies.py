@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import remat
-from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.core.training_graph import Node, TrainingGraph
 from remat.solver import chen_greedy, get_solver, per_block, revolve, selective
 from remat.solver.revolve import NotAChainError, griewank_p, optimal_advances
 from remat.solver.schedule import keep_all_schedule
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from tests.conftest import transformer_like
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

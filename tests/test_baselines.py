@@ -4,10 +4,10 @@ import random
 import pytest
 
 from tests.conftest import random_dag, training_chain, transformer_like
-from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.core.training_graph import Node, TrainingGraph
 from remat.solver import equal_spacing, keep_all
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 
 
 def hand_chain():

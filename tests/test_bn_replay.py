@@ -20,7 +20,7 @@ from remat.graph_capture.bn_replay import (BATCH_NORM_OP, BATCH_NORM_STATS_OP, B
                                           batch_norm_stats, make_batch_norm_recomputable)
 from remat.models import build_unet, unet_inputs
 from remat.solver.checkmate import min_feasible_budget
-from remat.solver.plan import plan_from_schedule
+from remat.core.plan import plan_from_schedule
 from remat.solver.schedule import schedule_from_kept
 
 aten = torch.ops.aten

@@ -18,9 +18,9 @@ import pytest
 
 from remat.solver import checkmate, equal_spacing
 from remat.solver.coarsen import coarsen, expand_schedule
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from tests.conftest import brute_force, random_dag, training_chain, transformer_like, random_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

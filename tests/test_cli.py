@@ -1,6 +1,7 @@
 """The command line: every bad argument is refused while parsing (one line on stderr, exit code 2,
-nothing traced or solved), a tiny valid `remat plan` writes a plan that loads, and the profiler
-does not flood stderr with Kineto's USDT lines."""
+nothing traced or solved), a tiny valid `remat plan` (an alias of `remat solve`, whose model is the
+built-in GPT unless --model says otherwise) writes a plan that loads, and the profiler does not
+flood stderr with Kineto's USDT lines."""
 from __future__ import annotations
 
 import os
@@ -13,9 +14,26 @@ import pytest
 import remat
 import remat.cli as cli
 from remat.graph_capture.profiling import _without_usdt_lines
-from remat.solver.plan import Plan
+from remat.core.plan import Plan
 
-TINY = ["--layers", "1", "--seq", "16", "--batch", "1", "--embd", "16", "--heads", "2"]
+TINY_GPT = """
+from remat.default_model import GPTConfig, default_inputs, default_model
+
+CFG = GPTConfig(n_layer=1, block_size=16, batch_size=1, n_embd=16, n_head=2)
+
+def build():
+    return default_model(CFG)
+
+def batch():
+    return default_inputs(CFG)
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """--model and --inputs of a one-layer GPT written into a file."""
+    (tmp_path / "tinygpt.py").write_text(TINY_GPT)
+    return ["--model", f"{tmp_path}/tinygpt.py:build", "--inputs", f"{tmp_path}/tinygpt.py:batch"]
 
 
 @pytest.fixture
@@ -25,7 +43,10 @@ def nothing_runs(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the command started working before its arguments were checked")
 
+    import remat.cli_offline
+
     monkeypatch.setattr(cli, "default_model", boom)
+    monkeypatch.setattr(remat.cli_offline, "build", boom)
 
 
 BAD = [
@@ -52,7 +73,8 @@ BAD = [
     (["plan", "--out", "/nonexistent/dir/p.json"], "argument --out: the directory '/nonexistent/dir' does not exist"),
     (["plan", "--solver", "magic"], "argument --solver: invalid choice: 'magic'"),
     (["plan", "--bogus"], "unrecognized arguments: --bogus"),
-    ([], "required: {demo,plan,solve,inspect,check,max-batch}"),
+    (["solve", "--budget-frac", "2"], "argument --budget-frac: expected a fraction in (0, 1]"),
+    ([], "required: {demo,solve,inspect,check,max-batch}"),
 ]
 
 
@@ -100,15 +122,22 @@ def test_default_out_is_checked_too(tmp_path, monkeypatch, nothing_runs, capsys)
     assert "argument --out: 'plan.json' is a directory" in capsys.readouterr().err
 
 
-def test_tiny_plan_writes_a_loadable_plan(tmp_path, capfd):
+def test_tiny_plan_writes_a_loadable_plan(tmp_path, tiny, capfd):
     out = tmp_path / "p.json"
-    assert cli.main(["plan", *TINY, "--solver", "equal_spacing", "--budget-frac", "0.9", "--out", str(out)]) == 0
+    assert cli.main(["plan", *tiny, "--solver", "equal_spacing", "--budget-frac", "0.9", "--out", str(out)]) == 0
     plan = Plan.load(out)
     assert plan.strategy == "equal_spacing" and plan.fits and plan.schedule
     stdout, stderr = capfd.readouterr()  # fd level: what the profiler's C++ side writes is seen too
     assert "USDT" not in stderr and "profiler_start" not in stderr, stderr
-    assert "capturing" in stdout and "solving equal_spacing" in stdout and str(out) in stdout
-    assert [f.name for f in tmp_path.iterdir()] == ["p.json"]  # no temporary file left behind
+    assert "captured" in stdout and "solving equal_spacing" in stdout and str(out) in stdout
+    assert sorted(f.name for f in tmp_path.iterdir() if f.suffix != ".py") == ["p.json"]  # no temporary file left
+
+
+def test_plan_is_solve_with_the_built_in_gpt_by_default(nothing_runs):
+    a = cli._parser().parse_args(["plan"])
+    b = cli._parser().parse_args(["solve"])
+    assert a.fn is b.fn and a.model.spec == b.model.spec == "remat.offline:default_gpt"
+    assert a.budget_frac is None and a.budget_gb is None  # solve then takes DEFAULT_FRAC of keep_all
 
 
 def test_profiler_prints_no_usdt_lines():

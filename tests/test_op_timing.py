@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
-from remat.api import Planner
+from remat.pipeline import Planner
 from remat.graph_capture import op_timing
 from remat.graph_capture.joint import trace_training_step
 from remat.graph_capture.op_timing import (MIN_COST_NS, measured_cost_graph, recomputation_form, shared_signature,

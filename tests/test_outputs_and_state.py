@@ -13,7 +13,7 @@ import remat
 from remat.graph_capture.joint import ParameterMismatchError
 from remat.graph_capture.outputs import OutputError
 from remat.measure import measure_peak
-from remat.runtime.module import ModeMismatchError, OutsideBudgetWarning
+from remat.runtime.module import OutsideBudgetWarning
 from tests.models import ConvNet, KwargsNet, small_gpt
 
 FREE = 2**40  # a budget nothing reaches: keep_all's plan
@@ -291,22 +291,30 @@ def test_tied_weights_stay_tied_or_are_refused():
         opt(ids)
 
 
-def test_eval_with_grad_is_refused_and_inference_runs_the_model():
+def test_another_mode_with_grad_is_planned_for_that_mode_and_inference_runs_the_model():
     """opt.eval() with grad enabled once ran the unplanned model (7.57 MiB against a 6.11 MiB
-    budget) without a word."""
-    _, model, inputs = _pair("loss")
+    budget) without a word, then was refused (ModeMismatchError); now each mode is a call of its
+    own: planned for that mode, under the budget, with eager's gradients in that mode."""
+    ref, model, inputs = _pair("loss")
     opt = remat.optimize(model, budget_bytes=FREE, example_inputs=inputs, solver="keep_all")
-    opt.eval()
-    with pytest.raises(ModeMismatchError, match="planned in train mode.*torch.no_grad"):
-        opt(*inputs)
+    opt.eval(), ref.eval()
+    _train_step(opt, inputs, list(model.parameters()))
+    _train_step(ref, inputs, list(ref.parameters()))
+    _grads_match(ref, model)
+    assert len(opt.plans) == 2 and opt.plan_log[-1].call.endswith("(eval)")
     with torch.no_grad():
         assert torch.equal(opt(*inputs), model(*inputs))
-    opt.train()
-    model.drop.eval()  # one submodule switched: the planned graph still has its dropout
-    with pytest.raises(ModeMismatchError, match="drop is now in eval mode"):
-        opt(*inputs)
-    model.drop.train()
-    opt(*inputs).backward()
+    opt.train(), ref.train()
+    model.drop.eval(), ref.drop.eval()  # one submodule switched: a third kind of call
+    _train_step(opt, inputs, list(model.parameters()))
+    _train_step(ref, inputs, list(ref.parameters()))
+    _grads_match(ref, model)
+    assert len(opt.plans) == 3
+    model.drop.train(), ref.drop.train()
+    _train_step(opt, inputs, list(model.parameters()))  # the first plan again, from the cache
+    _train_step(ref, inputs, list(ref.parameters()))
+    _grads_match(ref, model)
+    assert len(opt.plans) == 3
 
 
 def test_a_model_planned_in_eval_mode_runs_its_plan_in_eval_mode():
@@ -314,15 +322,18 @@ def test_a_model_planned_in_eval_mode_runs_its_plan_in_eval_mode():
     ref.eval(), model.eval()
     opt = remat.optimize(model, budget_bytes=FREE, example_inputs=inputs, solver="keep_all")
     calls = []
-    step = opt.__dict__["_step"]
-    opt.__dict__["_step"] = lambda *a: calls.append(1) or step(*a)
+    (step,) = opt._steps.values()
+    run = step.step
+    step.step = lambda *a: calls.append(1) or run(*a)
     _train_step(opt, inputs, list(model.parameters()))
     _train_step(ref, inputs, list(ref.parameters()))
     assert calls == [1]
     _grads_match(ref, model)
-    opt.train()
-    with pytest.raises(ModeMismatchError, match="planned in eval mode"):
-        opt(*inputs)
+    opt.train(), ref.train()
+    _train_step(opt, inputs, list(model.parameters()))  # train mode: planned for it, not refused
+    _train_step(ref, inputs, list(ref.parameters()))
+    assert calls == [1] and len(opt.plans) == 2
+    _grads_match(ref, model)
 
 
 def _tiny_llama():

@@ -11,9 +11,9 @@ import pytest
 from remat.solver import equal_spacing
 from remat.solver.checkmate import min_feasible_budget
 from remat.solver.peak_relief import relieve_peak
-from remat.solver.plan import LOWEST_PEAK
+from remat.core.plan import LOWEST_PEAK
 from remat.solver.schedule import keep_all_schedule
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from tests.conftest import brute_force, random_dag, training_chain, transformer_like
 
 GRAPHS = ([random_dag(n, s) for n in (3, 5, 7) for s in range(6)]

@@ -1,13 +1,13 @@
-"""Every key a strategy writes into plan.details is one solver/plan_details.py types and documents."""
+"""Every key a strategy writes into plan.details is one core/plan_details.py types and documents."""
 from __future__ import annotations
 
 import pytest
 
 from remat.solver import checkmate, get_solver
-from remat.solver.plan import LOWEST_PEAK, PlanDetails
+from remat.core.plan import LOWEST_PEAK, PlanDetails
 from remat.solver.revolve import NotAChainError
 from remat.solver.schedule import keep_all_schedule
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from tests.conftest import training_chain, transformer_like
 
 KNOWN = set(PlanDetails.__annotations__)

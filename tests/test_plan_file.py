@@ -12,9 +12,9 @@ import pytest
 import remat
 from remat.inspect_plan import summary_text
 from remat.solver import equal_spacing, keep_all
-from remat.solver.plan import LOWEST_PEAK, SCHEMA_VERSION, Plan, PlanFileError, PlanStatus, finished
-from remat.solver.plan_summary import TOP_LEVEL, module_summary, rollup, step_timeline
-from remat.solver.simulator import simulate
+from remat.core.plan import LOWEST_PEAK, SCHEMA_VERSION, Plan, PlanFileError, PlanStatus, finished
+from remat.core.module_summary import TOP_LEVEL, module_summary, rollup, step_timeline
+from remat.core.simulator import simulate
 from tests.conftest import transformer_like
 
 

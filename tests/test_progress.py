@@ -8,7 +8,7 @@ import pytest
 
 import remat
 from remat import cli
-from remat.graph_capture import progress
+from remat.core import progress
 from remat.solver import keep_all
 from tests.conftest import transformer_like
 

@@ -30,14 +30,17 @@ def _readme(tmp_path: Path, body: str, marker_args: str = 'r.txt cmd="python ben
     return readme
 
 
-def test_real_readme_figures_are_current():
-    stale = figures.check_readme(ROOT / "README.md")
-    assert stale == "", "README figures are stale; run `python benchmarks/readme_figures.py`:\n" + stale
+@pytest.mark.parametrize("page", figures.pages(), ids=lambda p: p.name)
+def test_real_readme_and_docs_figures_are_current(page):
+    stale = figures.check_readme(page)
+    assert stale == "", f"{page.name}'s figures are stale; run `python benchmarks/readme_figures.py`:\n" + stale
 
 
 def test_real_readme_has_figures():
-    text = (ROOT / "README.md").read_text()
-    assert text.count("<!-- results: ") >= 5 and text.count("<!-- results: ") == text.count("<!-- /results -->")
+    texts = [page.read_text() for page in figures.pages()]
+    assert "<!-- results: " in texts[0]  # README.md shows at least one
+    assert sum(t.count("<!-- results: ") for t in texts) >= 5
+    assert all(t.count("<!-- results: ") == t.count("<!-- /results -->") for t in texts)
 
 
 def test_stale_block_is_caught_then_regenerated(tmp_path):

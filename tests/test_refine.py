@@ -3,7 +3,7 @@ import random
 from remat.solver import checkmate, equal_spacing
 from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.schedule import keep_all_schedule
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from tests.conftest import training_chain, transformer_like
 
 

@@ -18,7 +18,7 @@ from remat.graph_capture.rng_replay import (CPU_STATE_BYTES, RngOrderError, drop
                                            rng_state)
 from remat.solver import equal_spacing
 from remat.solver.checkmate import min_feasible_budget
-from remat.solver.plan import LOWEST_PEAK
+from remat.core.plan import LOWEST_PEAK
 
 aten = torch.ops.aten
 

@@ -1,8 +1,8 @@
 """The simulator against peaks computed by hand on tiny graphs."""
 import pytest
 
-from remat.graph_capture.training_graph import Node, TrainingGraph
-from remat.solver.simulator import ScheduleError, last_reads, simulate
+from remat.core.training_graph import Node, TrainingGraph
+from remat.core.simulator import ScheduleError, last_reads, simulate
 
 
 def graph(*nodes, resident=100):

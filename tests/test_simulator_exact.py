@@ -10,11 +10,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
-from remat.graph_capture.training_graph import Node, TrainingGraph
+from remat.core.training_graph import Node, TrainingGraph
 from remat.solver import get_solver
-from remat.solver.plan import plan_from_schedule
+from remat.core.plan import plan_from_schedule
 from remat.solver.schedule import schedule_from_kept
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from tests.models import ConvNet, KwargsNet, small_gpt
 
 

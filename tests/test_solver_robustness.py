@@ -25,9 +25,9 @@ import remat.api as api
 from remat.solver import backends, checkmate, checkmate_attempts, checkmate_lowest, equal_spacing
 from remat.solver.backends import BackendError
 from remat.solver.checkmate import SolverFallbackWarning
-from remat.solver.plan import InfeasibleBudgetError
+from remat.core.plan import InfeasibleBudgetError
 from remat.solver.schedule import keep_all_schedule
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from tests.conftest import brute_force, random_dag, training_chain, transformer_like
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -19,12 +19,12 @@ import random
 import numpy as np
 import pytest
 
-from remat.graph_capture.training_graph import Node
+from remat.core.training_graph import Node
 from remat.solver import checkmate, equal_spacing
 from remat.solver.bounds import lower_bound, peak_lower_bound, point_of_schedule
 from remat.solver.relaxation import Relaxation
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
-from remat.solver.simulator import simulate
+from remat.core.simulator import simulate
 from tests.conftest import brute_force, random_dag, training_chain, transformer_like, with_backward, random_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 from remat.solver import checkmate, get_solver  # noqa: E402
 from remat.solver.revolve import NotAChainError  # noqa: E402
 from remat.solver.schedule import keep_all_schedule  # noqa: E402
-from remat.solver.simulator import simulate  # noqa: E402
+from remat.core.simulator import simulate  # noqa: E402
 from tests.conftest import brute_force, random_dag, training_chain, transformer_like  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

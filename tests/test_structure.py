@@ -2,10 +2,14 @@
 
 * The pipeline's stages import only downwards: no import cycle between top-level folders.
 
-      compat  <-  attention  <-  graph_capture  <-  solver  <-  runtime  <-  remat (API, CLI)
+      core  <-  compat  <-  attention  <-  graph_capture  <-  solver  <-  runtime  <-  remat (API, CLI)
 
   Each folder may import its own modules and the folders to its left, never one to its right. Every
   `import remat.X` / `from remat.X import` in the package's files counts, function-local ones too.
+* No import cycle between any two modules either (function-local imports count).
+* The solver imports only core and itself, and no torch; core imports no other stage and no torch.
+* No module imports another module's private names (`from remat.x import _name`, `x._name`).
+* Every error remat defines is a RematError and every warning a RematWarning (core/errors.py).
 * Every module has a docstring and an explicit `__all__`, and every public function or class in it
   has a docstring.
 * No module is longer than ~400 lines unless its top says why ("Why this file is long:").
@@ -16,7 +20,7 @@ import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["compat", "attention", "graph_capture", "solver", "runtime", "remat"]
+LAYERS = ["core", "compat", "attention", "graph_capture", "solver", "runtime", "remat"]
 
 
 def _imports(path: Path) -> set[str]:
@@ -84,3 +88,90 @@ def test_long_modules_say_why():
             if len(lines) > 420 and not any("Why this file is long:" in line for line in lines[:40]):
                 long.append(f"{path.relative_to(ROOT)} ({len(lines)} lines)")
     assert not long, f"modules over ~400 lines without a reason at the top: {long}"
+
+
+def _module_name(layer: str, path: Path) -> str:
+    pkg = "remat" if layer == "remat" else f"remat.{layer}"
+    return pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
+
+
+def _module_files() -> dict[str, Path]:
+    return {_module_name(layer, p): p for layer in LAYERS for p in sorted((ROOT / layer).glob("*.py"))}
+
+
+def _imported(path: Path, known: dict[str, Path]) -> set[str]:
+    """The remat modules a file imports (`from remat.x import y` counts remat.x, and remat.x.y where
+    that is a module), function-local imports included."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {t for t in [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if t in known}
+    return out
+
+
+def test_no_import_cycle_between_modules():
+    import networkx as nx
+
+    known = _module_files()
+    g = nx.DiGraph()
+    for name, path in known.items():
+        g.add_node(name)
+        g.add_edges_from((name, t) for t in _imported(path, known) if t != name)
+    cycles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert not cycles, f"modules that import each other (directly or through others): {cycles}"
+
+
+def _third_party(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_solver_and_core_need_no_torch():
+    bad = [f"{layer}/{p.name}" for layer in ("core", "solver") for p in sorted((ROOT / layer).glob("*.py"))
+           if "torch" in _third_party(p)]
+    assert not bad, f"these modules import torch (the solver sees only TrainingGraphs): {bad}"
+    graph = import_graph()
+    assert graph["core"] == set(), f"core imports other stages: {graph['core']}"
+    assert graph["solver"] <= {"core"}, f"the solver imports stages other than core: {graph['solver']}"
+
+
+def test_no_module_uses_another_modules_private_names():
+    known = _module_files()
+    found = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in known and node.module != name:
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{name}: from {node.module} import {a.name}")
+                    if f"{node.module}.{a.name}" in known:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in known})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"{name}: {aliases[node.value.id]}.{node.attr}")
+    assert not found, f"private names used across modules: {found}"
+
+
+def test_every_error_and_warning_has_remats_base():
+    from remat.core.errors import RematError, RematWarning
+
+    stray = []
+    for name in _modules():
+        mod = importlib.import_module(name)
+        for attr, obj in vars(mod).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == name \
+                    and not attr.startswith("_") and not issubclass(obj, (RematError, RematWarning)):
+                stray.append(f"{name}.{attr}")
+    assert not stray, f"errors and warnings without RematError / RematWarning as a base: {stray}"

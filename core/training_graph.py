@@ -3,7 +3,7 @@
 No fx.Node and no tensor lives here: only names, edges, byte counts and costs, so a graph can be
 saved as JSON, built by hand in tests, and handed to any solver.
 
-Memory model (the simulator in `remat.solver.simulator` is its single judge):
+Memory model (the simulator in `remat.core.simulator` is its single judge):
   * a node's value occupies `out_bytes` from the moment the node runs until the last read of that
     computed instance (a recomputation makes a new instance); an op with several outputs may
     list them in `out_parts` (bytes, readers), and each part is then freed after the last read
@@ -26,7 +26,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-__all__ = ["Node", "TrainingGraph"]
+__all__ = ["Node", "TrainingGraph", "RNG_STATE_OP"]
+
+RNG_STATE_OP = "rng_state.default"  # the op name of a node that saves the generator state (graph_capture/rng_replay.py)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,21 @@ class TrainingGraph:
                      f"{n.is_backward}|{n.is_random};".encode())
         h.update(str(self.meta.get("traced_resident_bytes", self.resident_bytes)).encode())
         return h.hexdigest()[:16]
+
+    @cached_property
+    def _structure_hash(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256()
+        for n in self.nodes:
+            h.update(f"{n.name}|{n.op}|{n.inputs}|{n.is_backward}|{n.is_random};".encode())
+        return h.hexdigest()[:16]
+
+    def structure_fingerprint(self) -> str:
+        """A short hash of the nodes, their ops, edges and flags, without any size: two graphs with
+        the same one are the same computation at other sizes (another batch or sequence length),
+        so a schedule of one runs on the other (its peak and cost must be simulated again)."""
+        return self._structure_hash
 
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.simulator import forward_end, simulate
+from remat.core.training_graph import TrainingGraph
+from remat.core.simulator import forward_end, simulate
 
 __all__ = ["TOP_LEVEL", "module_summary", "rollup", "StepTimeline", "step_timeline"]
 

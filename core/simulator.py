@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.errors import RematError
+from remat.core.training_graph import TrainingGraph
 
-__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "forward_end"]
+__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "forward_end", "parts_read"]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(RematError, ValueError):
     """The schedule cannot run: a read of a value that was never computed, a node computed twice
     that may not be, or a node of the graph that never runs."""
 
@@ -49,7 +50,7 @@ def _parts(v) -> list[tuple[int, tuple[str, ...] | None]]:
     return list(v.out_parts) if v.out_parts else [(v.out_bytes, None)]
 
 
-def _parts_read(u, reader: str) -> list[int]:
+def parts_read(u, reader: str) -> list[int]:
     """Which of u's parts a read by `reader` touches (all of them if it is named in none)."""
     parts = _parts(u)
     hit = [k for k, (_, readers) in enumerate(parts) if readers is None or reader in readers]
@@ -69,7 +70,7 @@ class _Tables:
             self.first.append(len(self.part_bytes))
             self.part_bytes.extend(b for b, _ in _parts(v))
         self.own = [list(range(self.first[i], self.first[i] + len(_parts(v)))) for i, v in enumerate(nodes)]
-        self.reads = [[(idx[i], [self.first[idx[i]] + k for k in _parts_read(nodes[idx[i]], v.name)])
+        self.reads = [[(idx[i], [self.first[idx[i]] + k for k in parts_read(nodes[idx[i]], v.name)])
                        for i in v.inputs] for v in nodes]
         self.key_node = [i for i, v in enumerate(nodes) for _ in _parts(v)]
         self.key_part = [k for v in nodes for k in range(len(_parts(v)))]

@@ -5,7 +5,7 @@ model (class, and each parameter and buffer by name, shape and dtype), the examp
 and dtype of every tensor, the value of everything else), the device, the autocast state, the
 train/eval mode, `fused_attention`, the torch version, the solver and its options, and the machine.
 The file format itself (schema version, the graph saved with the plan, the checks that the file
-is what it says) is solver/plan.py's.
+is what it says) is core/plan.py's.
 
 Deploying checks, cheapest first, so a plan for something else is refused with one line saying
 what differs and what to do (`PlanMismatchError`), never deployed:
@@ -30,11 +30,11 @@ import torch.nn as nn
 
 from remat.attention.router import fused_attention_mode
 from remat.graph_capture.autocast_state import AutocastState, step_device_types
-from remat.graph_capture.training_graph import TrainingGraph
+from remat.core.training_graph import TrainingGraph
 from remat.machine_info import machine
-from remat.runtime.partition import PlanMismatchError
-from remat.solver.plan import Plan, PlanFileError
-from remat.solver.simulator import ScheduleError, simulate
+from remat.core.plan import PlanMismatchError
+from remat.core.plan import Plan, PlanFileError
+from remat.core.simulator import ScheduleError, simulate
 
 __all__ = ["load_plan", "plan_context", "with_context", "check_context", "rejudge", "describe_inputs",
            "input_tensors"]

@@ -3,7 +3,7 @@
 The plan file (schema version 2, `Plan.save` / `Plan.load`) is JSON, never a pickle: one line per
 top-level key, first what a reader wants (format, schema_version, strategy, budget, predicted peak,
 cost, bound, gap, status, context: the model, inputs, device, torch version and solver options it
-was made for, filled in by remat/plan_file.py), then the per-module summary (solver/plan_summary.py),
+was made for, filled in by remat/deployment.py), then the per-module summary (core/module_summary.py),
 the schedule and the TrainingGraph it was solved on. With its graph the file checks itself when it
 is loaded: the graph must have the fingerprint the plan names, the schedule must run on it
 (`simulate`) and give the peak the file states, so an edited or damaged file is refused with one
@@ -23,12 +23,13 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 
-from remat.graph_capture.training_graph import TrainingGraph
-from remat.solver.plan_details import PlanDetails
-from remat.solver.simulator import simulate
+from remat.core.errors import RematError
+from remat.core.training_graph import TrainingGraph
+from remat.core.plan_details import PlanDetails
+from remat.core.simulator import simulate
 
 __all__ = ["Plan", "PlanStatus", "plan_from_schedule", "finished", "LOWEST_PEAK", "InfeasibleBudgetError", "PlanFileError", "PlanFileNotFoundError",
-           "SCHEMA_VERSION", "FORMAT", "PlanDetails"]
+           "PlanMismatchError", "SCHEMA_VERSION", "FORMAT", "PlanDetails"]
 
 SCHEMA_VERSION = 2  # of the plan file; 1: the files written before it was recorded (no version key)
 FORMAT = "remat plan"  # the file's "format" key, so a foreign JSON file is named as such
@@ -50,7 +51,7 @@ class PlanStatus(StrEnum):
     INFEASIBLE = "infeasible"  # nothing fits; the schedule is the lowest-peak one found
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(RematError, ValueError):
     """No plan of this strategy fits the budget; `min_feasible_bytes` is the smallest budget
     for which one was found (None when unknown)."""
 
@@ -59,9 +60,14 @@ class InfeasibleBudgetError(ValueError):
         self.min_feasible_bytes = min_feasible_bytes
 
 
-class PlanFileError(ValueError):
+class PlanFileError(RematError, ValueError):
     """A saved plan cannot be read: the file is missing, empty, not JSON (e.g. truncated) or not a
     plan. The message names the file and what is wrong."""
+
+
+class PlanMismatchError(RematError, ValueError):
+    """A plan made for another training graph (model, shapes, device, mode, rank) than the one it is
+    deployed on; the message says what differs."""
 
 
 class PlanFileNotFoundError(PlanFileError, FileNotFoundError):
@@ -87,9 +93,9 @@ class Plan:
     gap: float | None = None  # relative MIP gap certified by the solver (0 when optimal)
     lower_bound: float | None = None  # proven lower bound on the optimal extra cost at this budget
     graph_fingerprint: str = ""  # TrainingGraph.fingerprint() of the graph it was made for
-    details: PlanDetails = field(default_factory=dict)  # how the strategy found it (keys: solver/plan_details.py)
+    details: PlanDetails = field(default_factory=dict)  # how the strategy found it (keys: core/plan_details.py)
     # what it was made for: model, parameters, inputs, device, torch version, solver options
-    # (remat/plan_file.py fills it in; empty for plans that never left a solver)
+    # (remat/deployment.py fills it in; empty for plans that never left a solver)
     context: dict = field(default_factory=dict)
     # the graph `schedule` was judged on (plan_from_schedule sets it); saved with the plan
     graph: TrainingGraph | None = field(default=None, repr=False, compare=False)
@@ -122,7 +128,7 @@ class Plan:
     def to_dict(self) -> dict:
         """The plan file's content (schema version SCHEMA_VERSION): the summary first, then the
         per-module summary, the schedule and the graph."""
-        from remat.solver.plan_summary import module_summary
+        from remat.core.module_summary import module_summary
 
         d = {"format": FORMAT, "schema_version": SCHEMA_VERSION}
         plain = asdict(dataclasses.replace(self, graph=None))
@@ -250,7 +256,7 @@ def _unwrapped(data, source: str):
 def _own_graph(plan: "Plan", graph_data, source: str) -> TrainingGraph:
     """The graph saved with `plan`, after checking that the plan is what it says on that graph:
     the graph has the plan's fingerprint, the schedule runs on it and peaks where the file says."""
-    from remat.solver.simulator import ScheduleError
+    from remat.core.simulator import ScheduleError
 
     try:
         graph = TrainingGraph.from_dict(graph_data)

@@ -1,0 +1,332 @@
+"""When a training step cannot be traced whole: plan its repeated blocks one by one, run the rest as
+it is, and keep the whole step's measured peak under the budget.
+
+A forward with `if h.mean() > 0:`, an `.item()`, or a loss that calls `.nonzero()` (DeBERTa-v2's)
+has no single graph: its control flow depends on the data. torch.compile breaks the graph there and
+goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block checkpointing does:
+
+1. **Blocks**: the model's repeated blocks (`repeated_blocks`: the numbered children of the
+   outermost containers that hold at least two children of the same structure, e.g. a ModuleList
+   of transformer layers; the units per_block checkpoints). If a block cannot be traced either it
+   runs as it is; if no block can, the TraceError of the whole step is raised as it was.
+2. **Their calls**: one forward of the model records each block's arguments as training passes
+   them (which tensors require grad, keyword arguments included); the blocks themselves run under
+   no_grad there, their outputs marked as requiring grad as they would. Random state, buffers and
+   gradients are restored after it.
+3. **Plans at levels**: every distinct block graph is planned at `levels` budgets, from its
+   smallest feasible one (level 0: least memory) to keep_all's peak (no recomputation).
+4. **How the blocks' budgets are set**: every block gets its level-0 plan and one calibration step
+   of the whole model (forward and backward, on the example inputs) measures the step's peak M0 (as
+   `remat.measure_peak` does; the model is left as it was). The highest level j whose bound fits the
+   budget is chosen (`runtime/distributed.py`'s `fit_block_level`, as for FSDP2): a block planned at
+   level j holds dS more between its forward and its backward, and adds dP more at its own peak
+   while it runs (both from the simulator), so the step peaks at most at
+   `M0 + sum_i dS_i + max_i dP_i`. The blocks then run their level-j plans and a second step
+   measures the peak again; if it exceeds the budget the level is lowered until one fits.
+   InfeasibleBudgetError when even level 0 does not fit (its `min_feasible_bytes`: M0).
+5. Calls of other shapes are planned block by block (each block's RematModule plans new calls
+   under its level's budget); the whole step's budget is measured for the example inputs only.
+
+The model is not modified: during a call of the returned `BlockwiseModule` (with grad enabled) each
+block's `forward` is redirected to its RematModule, and restored after. `BlockwisePlanWarning`
+says once which blocks are planned and what the calibration measured.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from remat.core.errors import RematWarning
+from remat.compat.torch_private import pytree
+from remat.graph_capture.joint import TraceError
+from remat.core.training_graph import TrainingGraph
+from remat.runtime.distributed import BlockProfile, block_profile, fit_block_level
+from remat.pipeline import PlanOptions, deployed_module, trace_graph
+from remat.runtime.module import DEFAULT_CACHE_LIMIT, ModelWrapper, OutsideBudgetWarning, RematModule
+from remat.solver import get_solver
+from remat.core.plan import InfeasibleBudgetError, Plan
+from remat.solving import smallest_feasible, solve
+
+__all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "level_plans",
+           "plan_blockwise", "DEFAULT_LEVELS"]
+
+DEFAULT_LEVELS = 4  # budgets per distinct block graph, from its lowest peak to keep_all's
+MIB = 2 ** 20
+
+
+class BlockwisePlanWarning(RematWarning):
+    """The step could not be traced whole: its repeated blocks are planned one by one, the rest of
+    the model runs as it is."""
+
+
+@dataclass
+class BlockwiseFit:
+    """What plan_blockwise chose: the budget, the calibrated peak at level 0 (`calibrated_bytes`),
+    the level deployed and the bound it guarantees, the peak measured at that level, and each
+    planned block's name and plan."""
+
+    budget_bytes: int
+    calibrated_bytes: int
+    level: int
+    levels: int
+    bound_bytes: int
+    measured_bytes: int
+    blocks: list[str] = field(default_factory=list)
+    plans: list[Plan] = field(default_factory=list, repr=False)
+    eager_blocks: list[str] = field(default_factory=list)  # blocks that could not be traced either
+
+
+def _structure(m: nn.Module) -> tuple:
+    return (type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()))
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the model's repeated blocks: every numbered child of each outermost module
+    that has at least two numbered children of the same structure (class, parameter names, shapes
+    and dtypes), in the order of named_modules."""
+    found: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    for name, m in model.named_modules():
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue  # inside a block already found: only the outermost containers count
+        numbered = [(c, child) for c, child in m.named_children() if c.isdigit()]
+        shapes = [_structure(child) for _, child in numbered]
+        if len(numbered) >= 2 and len(set(shapes)) < len(shapes):
+            for c, child in numbered:
+                full = f"{name}.{c}" if name else c
+                found.append((full, child))
+                taken.append(full)
+    return found
+
+
+def level_plans(graph: TrainingGraph, levels: int, solver: str, time_limit_s: float | None,
+                solver_kwargs: dict) -> list[Plan]:
+    """Plans for `graph` at `levels` budgets from its smallest feasible one to keep_all's peak."""
+    low = smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
+    high = max(get_solver("keep_all")(graph, None).predicted_peak_bytes, low)
+    return [solve(graph, low + (high - low) * j // max(levels - 1, 1), solver=solver, time_limit_s=time_limit_s,
+                  quiet=True, **solver_kwargs) for j in range(levels)]
+
+
+_in_block = contextvars.ContextVar("remat_in_block", default=False)
+
+
+class _Redirected:
+    """Context manager: while entered, block i's `forward` is `forwards[i]` (made from the block's
+    own forward); each block's own is restored after."""
+
+    def __init__(self, blocks: Sequence[nn.Module], make):
+        self.blocks, self.make = blocks, make
+
+    def __enter__(self):
+        self.saved = [b.__dict__.get("forward") for b in self.blocks]
+        for i, (b, own) in enumerate(zip(self.blocks, self.saved)):
+            b.__dict__["forward"] = self.make(i, own or type(b).forward.__get__(b))
+        return self
+
+    def __exit__(self, *exc):
+        for b, own in zip(self.blocks, self.saved):
+            if own is None:
+                b.__dict__.pop("forward", None)
+            else:
+                b.__dict__["forward"] = own
+        return False
+
+
+def _to_planned(planned: nn.Module | None, own):
+    """A block's forward that runs its RematModule `planned`, except for calls from inside that
+    module (tracing the block, or running it under no_grad), which get the block's own forward."""
+    if planned is None:
+        return own
+
+    def forward(*args, **kwargs):
+        if _in_block.get():
+            return own(*args, **kwargs)
+        token = _in_block.set(True)
+        try:
+            return planned(*args, **kwargs)
+        finally:
+            _in_block.reset(token)
+    return forward
+
+
+def _detached(x: Any) -> Any:
+    """A copy of a block's argument as training passes it: tensors detached and cloned, requiring
+    grad where the original does."""
+    def copy(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        c = t.detach().clone()
+        return c.requires_grad_(t.requires_grad) if c.is_floating_point() or c.is_complex() else c
+    return pytree.tree_map(copy, x)
+
+
+def _record_block_calls(model: nn.Module, blocks: Sequence[nn.Module], args: tuple,
+                        kwargs: dict) -> list[tuple[tuple, dict] | None]:
+    """Each block's first (args, kwargs) in one forward of `model` with grad enabled, the blocks run
+    under no_grad (their floating outputs then marked as requiring grad, as in training); RNG
+    state, buffers and gradients are left as they were."""
+    from remat.compiled_fit import untouched
+
+    seen: list[tuple[tuple, dict] | None] = [None] * len(blocks)
+
+    def recorder(i: int, own):
+        def record(*a, **k):
+            if seen[i] is None:
+                seen[i] = (_detached(a), _detached(k))
+            with torch.no_grad():
+                out = own(*a, **k)
+            return pytree.tree_map(lambda t: t.requires_grad_() if isinstance(t, torch.Tensor) and
+                                   t.is_floating_point() else t, out)
+        return record
+
+    with untouched(model, _cuda_device(model, args, kwargs)), _Redirected(blocks, recorder):
+        model(*args, **kwargs)
+    return seen
+
+
+def _cuda_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
+    tensors = [*model.parameters(), *pytree.tree_leaves((args, kwargs))]
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """The loss of a model's output: the output itself when it is one element, else its `loss`
+    (Hugging Face's outputs, dicts)."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    raise ValueError("planning a step that cannot be traced whole measures the step: the model must return its "
+                     "loss (a one-element tensor, or an output with a `loss`)")
+
+
+class BlockwiseModule(ModelWrapper):
+    """The model with its repeated blocks running remat plans and the rest as it is (see the module
+    docstring). Parameters, buffers and state_dict keys are the model's own; `fit` says what was
+    chosen, `blocks` holds each planned block's RematModule (None for a block run as it is)."""
+
+    def __init__(self, model: nn.Module, names: list[str], blocks: list[nn.Module], planned: list[RematModule | None],
+                 fit: BlockwiseFit):
+        super().__init__(model)
+        d = self.__dict__
+        d["block_names"] = names
+        d["_blocks"] = blocks
+        d["blocks"] = planned
+        d["fit"] = fit
+
+    def _dispatch(self, args: tuple, kwargs: dict):
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        with _Redirected(self._blocks, lambda i, own: _to_planned(self.blocks[i], own)):
+            return self.module(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        f = self.fit
+        return (f"planned blocks={len(f.blocks)}, level={f.level}/{f.levels - 1}, "
+                f"measured peak={f.measured_bytes / MIB:.2f} MiB of {f.budget_bytes / MIB:.2f} MiB")
+
+
+def _measure(module: nn.Module, model: nn.Module, args: tuple, kwargs: dict) -> int:
+    from remat.compiled_fit import untouched
+    from remat.measure import measure_peak
+
+    device = _cuda_device(model, args, kwargs)
+    resident = [model, *[t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
+    with untouched(model, device):
+        return measure_peak(lambda: _loss(module(*args, **kwargs)).backward(), resident=resident, device=device)
+
+
+def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, error: TraceError, *,
+                   levels: int = DEFAULT_LEVELS, cache_limit: int = DEFAULT_CACHE_LIMIT) -> BlockwiseModule:
+    """The BlockwiseModule of `model` under `options.budget_bytes` (see the module docstring); `error`
+    is the whole step's TraceError, raised again when no block can be planned."""
+    budget_bytes = options.budget_bytes
+    assert budget_bytes is not None
+    solver, time_limit_s, solver_kwargs = options.solver, options.time_limit_s, options.solver_kwargs
+    found = repeated_blocks(model)
+    if not found:
+        raise error
+    names = [n for n, _ in found]
+    blocks = [b for _, b in found]
+    try:
+        calls = _record_block_calls(model, blocks, args, kwargs)
+    except Exception:  # the model cannot run these inputs eagerly either: the trace's error says why
+        calls = None
+    if calls is None:
+        raise error
+    graphs: list[TrainingGraph | None] = []
+    for b, call in zip(blocks, calls):
+        if call is None:
+            graphs.append(None)  # not called by this forward
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", OutsideBudgetWarning)
+                graphs.append(trace_graph(b, call[0], call[1], options.fused_attention, options.cost_model, quiet=True))
+        except TraceError:
+            graphs.append(None)  # this block cannot be traced either: it runs as it is
+    if all(g is None for g in graphs):
+        raise error
+    distinct = list(dict.fromkeys(g.fingerprint() for g in graphs if g is not None))
+    first = {fp: next(g for g in graphs if g is not None and g.fingerprint() == fp) for fp in distinct}
+    by_graph = {fp: level_plans(first[fp], levels, solver, time_limit_s, solver_kwargs) for fp in distinct}
+    per_block = [by_graph[g.fingerprint()] if g is not None else None for g in graphs]
+
+    def deploy(level: int) -> list[RematModule | None]:
+        out = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OutsideBudgetWarning)  # the whole step is budgeted here
+            for b, call, ps in zip(blocks, calls, per_block):
+                if ps is None:
+                    out.append(None)
+                    continue
+                block_options = dataclasses.replace(options, budget_bytes=ps[level].budget_bytes, quiet=True)
+                out.append(deployed_module(b, call[0], call[1], block_options, ps[level], cache_limit))
+        return out
+
+    planned = deploy(0)
+    fit = BlockwiseFit(budget_bytes=budget_bytes, calibrated_bytes=0, level=0, levels=levels, bound_bytes=0,
+                       measured_bytes=0, blocks=[n for n, ps in zip(names, per_block) if ps is not None],
+                       eager_blocks=[n for n, ps in zip(names, per_block) if ps is None])
+    module = BlockwiseModule(model, names, blocks, planned, fit)
+    fit.calibrated_bytes = fit.measured_bytes = _measure(module, model, args, kwargs)
+    if fit.calibrated_bytes > budget_bytes:
+        raise InfeasibleBudgetError(
+            f"{type(model).__name__}'s step cannot be traced whole, and with its {len(fit.blocks)} repeated blocks at "
+            f"their lowest-memory plans (the rest as it is) it peaks at {fit.calibrated_bytes / MIB:.2f} MiB, over "
+            f"the budget of {budget_bytes / MIB:.2f} MiB", min_feasible_bytes=fit.calibrated_bytes)
+    profiles: list[list[BlockProfile]] = [[block_profile(g, p) for p in ps] for g, ps in zip(graphs, per_block)
+                                          if ps is not None]
+    level, fit.bound_bytes = fit_block_level(fit.calibrated_bytes, 0, budget_bytes, profiles)
+    for tried in range(level, 0, -1):  # the bound says it fits; measure that it does
+        module.__dict__["blocks"] = deploy(tried)
+        fit.measured_bytes = _measure(module, model, args, kwargs)
+        if fit.measured_bytes <= budget_bytes:
+            fit.level = tried
+            break
+    else:
+        module.__dict__["blocks"] = planned
+        fit.measured_bytes = fit.calibrated_bytes
+    fit.plans = [b.plan for b in module.blocks if b is not None]
+    cause = str(error).splitlines()
+    warnings.warn(BlockwisePlanWarning(
+        f"{type(model).__name__}'s training step cannot be traced whole ({cause[0].split(': ', 1)[-1]}"
+        f"{'; ' + cause[1].strip() if len(cause) > 1 else ''}): remat planned its {len(fit.blocks)} repeated "
+        f"blocks ({_names(fit.blocks)}) one by one at level {fit.level} of {levels - 1} and runs the rest as it "
+        f"is{'; not traceable either, run as they are: ' + _names(fit.eager_blocks) if fit.eager_blocks else ''}. "
+        f"Measured peak of the step on the example inputs: {fit.measured_bytes / MIB:.2f} MiB, budget "
+        f"{budget_bytes / MIB:.2f} MiB (README: when a step does not trace whole)"), stacklevel=3)
+    return module
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]}"

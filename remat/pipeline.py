@@ -1,0 +1,261 @@
+"""One call of a model, planned: trace it, decide its plan, lay its graph out by that plan.
+
+    trace   graph_capture: AOTAutograd's joint forward+backward graph of the call -> TrainingGraph
+    decide  a plan for that graph: a plan already made for this call, judged again on the new trace;
+            keep_all where it fits; another call's schedule where it fits as tightly; or a solve
+    lower   runtime/partition.py: the joint graph in the plan's order, split into forward and backward
+
+`planned_step` runs the three for one call and returns the runtime's PlannedStep. `StepPlanner` is
+what a RematModule calls for every kind of call (shape, requires_grad pattern, mode) it has not seen
+(runtime/module.py); `remat.optimize` plans the example inputs with it.
+
+AOTAutograd only hands out the joint graph to a partition function, so `decide` and `lower` run
+inside one (`Planner`); errors there are remat's own (an infeasible budget, a saved plan for another
+graph) and leave the trace as they are.
+
+**A call the module has not seen** (another batch size, sequence length, requires_grad pattern) is
+traced (the graph depends on it), then planned in the first of these ways that applies:
+
+1. a plan made for this very key before (a copied or unpickled module; a saved plan): judged again on
+   the new trace, no solve;
+2. checkmate, and keep_all's peak fits the budget: keep_all is optimal (nothing recomputed), no solve;
+3. checkmate, and a schedule planned for another call runs on this graph (the same nodes, op for op,
+   at other sizes: `TrainingGraph.structure_fingerprint`): it is simulated at the new sizes (the peak
+   is checked, never assumed) and serves if it fits and uses at least REUSE_TIGHTNESS of the budget
+   (with more room left, a plan that recomputes less is likely: solve instead), or if it fits and
+   the other call's graph is this very graph (only a non-tensor argument's value differed: a step
+   counter, a flag), so a Python number that changes every call costs a trace, never a solve;
+4. otherwise the strategy solves the graph (baselines always do: they are fast).
+The budget holds at every shape: where no plan fits, InfeasibleBudgetError names the call and the
+smallest feasible budget for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from remat.compat.torch_private import compiled_submodules, default_partition
+from remat.core import progress
+from remat.graph_capture.build import JointGraphInfo, build_training_graph
+from remat.graph_capture.joint import PartitionFailed, trace_training_step
+from remat.graph_capture.op_timing import measured_cost_graph
+from remat.graph_capture.rewrites import prepare_joint_graph
+from remat.graph_capture.rng_replay import step_device_type
+from remat.core.training_graph import TrainingGraph
+from remat.deployment import plan_context, rejudge
+from remat.runtime.compile import PlannedGraphs
+from remat.runtime.module import (DEFAULT_CACHE_LIMIT, PlannedStep, PlanRecord, RematModule, call_key, describe_key,
+                                  model_device_types)
+from remat.runtime.partition import partition_with_plan
+from remat.solver import get_solver
+from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
+from remat.core.simulator import ScheduleError, simulate
+from remat.solving import solve
+
+__all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
+           "REUSE_TIGHTNESS"]
+
+# A schedule planned for another call serves a new one when its peak there uses at least this share
+# of the budget: with more room left a solve is likely to find a plan that recomputes less.
+REUSE_TIGHTNESS = 0.9
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What planning a call needs besides the call: the budget and the solver's and capture's options
+    (validated by remat/validate.py before one is made)."""
+
+    budget_bytes: int | None  # the step's peak (None: no budget, keep_all)
+    solver: str = "checkmate"  # a strategy of remat.solver.STRATEGIES
+    time_limit_s: float | None = None  # checkmate's optional wall-clock limit
+    solver_options: tuple[tuple[str, Any], ...] = ()  # the strategy's own keyword options
+    fused_attention: bool | str = True  # which attention to trace as remat's flash op
+    cost_model: str = "flops"  # what the solver minimises: "flops" or "measured"
+    quiet: bool = False  # no progress lines on stderr
+    compiled: bool = False  # measure the Inductor-compiled step and plan until it fits (compiled_fit.py)
+
+    @property
+    def solver_kwargs(self) -> dict[str, Any]:
+        return dict(self.solver_options)
+
+    def context_options(self) -> dict[str, Any]:
+        """The solver options a plan's context records."""
+        return {"time_limit_s": self.time_limit_s, **self.solver_kwargs,
+                **({"cost_model": self.cost_model} if self.cost_model != "flops" else {})}
+
+
+class Decision:
+    """`decide(graph) -> Plan` for one call, remembering how it decided (`how`, for the plan log)
+    and how long that took."""
+
+    def __init__(self, choose: Callable[[TrainingGraph], tuple[Plan, str]], how: str = "solved"):
+        self._choose = choose
+        self.how = how
+        self.seconds = 0.0
+
+    def __call__(self, graph: TrainingGraph) -> Plan:
+        t0 = time.perf_counter()
+        plan, self.how = self._choose(graph)
+        self.seconds = time.perf_counter() - t0
+        return plan
+
+
+def _joint_info(joint_gm, num_fwd_outputs: int, name: str) -> JointGraphInfo:
+    prepare_joint_graph(joint_gm, step_device_type(joint_gm))
+    return build_training_graph(joint_gm, num_fwd_outputs, name=name)
+
+
+class Planner:
+    """AOTAutograd's partition function for one trace: it builds the TrainingGraph from the joint
+    graph (`info`, `graph`) and, given `decide` (TrainingGraph -> Plan), splits the joint graph
+    into forward and backward by that plan (`plan`); without `decide` it splits it as AOTAutograd
+    would. `cost_model` "measured": the graph's costs are the ops' measured times (op_timing.py).
+    Errors while planning (a budget no plan fits, a saved plan for another graph, ...) are
+    remat's own: they leave the trace as they are (PartitionFailed), not as a TraceError."""
+
+    def __init__(self, name: str, decide: Callable[[TrainingGraph], Plan] | None = None,
+                 cost_model: str = "flops"):
+        self.name = name
+        self.decide = decide
+        self.cost_model = cost_model
+        self.info: JointGraphInfo | None = None
+        self.plan: Plan | None = None
+
+    @property
+    def graph(self) -> TrainingGraph:
+        assert self.info is not None, "the partition function was not called"
+        return self.info.graph
+
+    def __call__(self, joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
+        try:
+            self.info = _joint_info(joint_gm, num_fwd_outputs, self.name)
+            if self.cost_model == "measured":  # same structure, costs in measured nanoseconds
+                self.info.graph = measured_cost_graph(self.info)
+            if self.decide is not None:
+                self.plan = self.decide(self.info.graph)
+                return partition_with_plan(self.info, self.plan)
+        except Exception as e:
+            raise PartitionFailed(e) from e
+        return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+
+
+def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, decision: Decision,
+                 call: str) -> PlannedStep:
+    """Trace `model(*args, **kwargs)` with its backward, plan it with `decision` and return the
+    planned step (trace, decide and lower; see the module docstring)."""
+    graphs = PlannedGraphs()
+    if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
+        graphs.use_inductor()
+    planner = Planner(type(model).__name__, decision, cost_model=options.cost_model)
+    t0 = time.perf_counter()
+    with progress.quiet(options.quiet):
+        step, sig = trace_training_step(model, args, kwargs, planner, options.fused_attention,
+                                        graph_compilers=graphs.compilers)
+    total = time.perf_counter() - t0
+    assert planner.plan is not None
+    record = PlanRecord(call=call, how=decision.how, trace_s=total - decision.seconds, plan_s=decision.seconds,
+                        predicted_peak_bytes=planner.plan.predicted_peak_bytes, budget_bytes=options.budget_bytes)
+    return PlannedStep(step, sig, planner.plan, planner.graph, graphs, record)
+
+
+def _reused(graph: TrainingGraph, budget: int, options: PlanOptions,
+            others: list[tuple[str, Plan]]) -> tuple[Plan, str] | None:
+    """Another call's schedule where it runs on `graph` and fits as tightly as REUSE_TIGHTNESS asks,
+    or fits at all when that call's graph is this one (the same nodes and sizes: only a non-tensor
+    argument's value differs, e.g. a step counter), for which that schedule was solved."""
+    shape = graph.structure_fingerprint()
+    for call, other in reversed(others):  # the most recent first
+        if other.graph is None or other.graph.structure_fingerprint() != shape:
+            continue
+        try:
+            sim = simulate(graph, other.schedule)
+        except ScheduleError:
+            continue
+        same_graph = other.graph.fingerprint() == graph.fingerprint()
+        if sim.peak_bytes <= budget and (same_graph or sim.peak_bytes >= REUSE_TIGHTNESS * budget):
+            how = f"reused the schedule of {call}"
+            return plan_from_schedule(graph, other.schedule, strategy=options.solver, budget_bytes=budget,
+                                      status=PlanStatus.FEASIBLE, details={"plan_source": how}), how
+    return None
+
+
+@dataclass(frozen=True)
+class StepPlanner:
+    """Plans the calls a RematModule has not seen, with the options it was made with (picklable:
+    a copied module plans with the same options)."""
+
+    options: PlanOptions
+
+    def choose(self, model: nn.Module, args: tuple, kwargs: dict, *, known: Plan | None,
+               others: list[tuple[str, Plan]], budget: int | None = None) -> Callable[[TrainingGraph], tuple[Plan, str]]:
+        """graph -> (plan, how) for this call: the order of the module docstring; `budget`
+        overrides the options' (compiled_fit.py plans at lowered budgets)."""
+        o = self.options
+        budget = o.budget_bytes if budget is None else budget
+        context = plan_context(model, args, kwargs, fused_attention=o.fused_attention, solver=o.solver,
+                               solver_options=o.context_options())
+
+        def choose(graph: TrainingGraph) -> tuple[Plan, str]:
+            if known is not None:
+                return rejudge(known, graph), "saved plan"
+            if others and budget is not None and o.solver == "checkmate":
+                keep = get_solver("keep_all")(graph, budget)
+                if keep.fits:  # nothing recomputed: no plan costs less
+                    plan = plan_from_schedule(graph, keep.schedule, strategy=o.solver, budget_bytes=budget,
+                                              status=PlanStatus.OPTIMAL, gap=0.0, lower_bound=0.0,
+                                              details={"plan_source": "keep_all fits"})
+                    return dataclasses.replace(plan, context=context), "keep_all fits"
+                reused = _reused(graph, budget, o, others)
+                if reused is not None:
+                    return dataclasses.replace(reused[0], context=context), reused[1]
+            plan = solve(graph, budget, solver=o.solver, time_limit_s=o.time_limit_s, quiet=o.quiet,
+                         **o.solver_kwargs)
+            return dataclasses.replace(plan, context=context), "solved"
+
+        return choose
+
+    def plan_call(self, model: nn.Module, args: tuple, kwargs: dict, *, known: Plan | None,
+                  others: list[tuple[str, Plan]], call: str) -> PlannedStep:
+        """The planned step for this call (runtime/module.py's CallPlanner). With `compiled`, a new
+        call's compiled step is measured and planned again until it fits (remat/compiled_fit.py)."""
+        o = self.options
+        try:
+            if o.compiled and known is None:
+                from remat.compiled_fit import fit_compiled
+
+                def build(b: int) -> PlannedStep:
+                    return planned_step(model, args, kwargs, o, Decision(self.choose(
+                        model, args, kwargs, known=None, others=others, budget=b)), call)
+
+                return fit_compiled(build, o.budget_bytes, model, args, kwargs)
+            step = planned_step(model, args, kwargs, o, Decision(self.choose(
+                model, args, kwargs, known=known, others=others)), call)
+            if o.compiled:
+                step.graphs.use_inductor()
+            return step
+        except InfeasibleBudgetError as e:
+            raise InfeasibleBudgetError(f"{call}: {e}", min_feasible_bytes=e.min_feasible_bytes) from None
+
+
+def trace_graph(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str = True,
+                cost_model: str = "flops", quiet: bool = False) -> TrainingGraph:
+    """The TrainingGraph of one call's training step, traced and split as AOTAutograd would (no plan)."""
+    planner = Planner(type(model).__name__, cost_model=cost_model)
+    with progress.quiet(quiet):
+        trace_training_step(model, args, kwargs, planner, fused_attention)
+    return planner.graph
+
+
+def deployed_module(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, plan: Plan | None = None,
+                    cache_limit: int = DEFAULT_CACHE_LIMIT) -> RematModule:
+    """The RematModule of `model`, its example call (`args`, `kwargs`) planned now: with `plan`, that
+    saved plan judged again on the trace; otherwise as `options` say."""
+    planner = StepPlanner(options)
+    key, _ = call_key(model, args, kwargs, model_device_types(model))
+    first = planner.plan_call(model, args, kwargs, known=plan, others=[], call=describe_key(key))
+    return RematModule(model, planner, (key, first), cache_limit=cache_limit)

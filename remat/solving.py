@@ -1,0 +1,54 @@
+"""Solving a TrainingGraph under a budget with one strategy, and the smallest budget it can meet.
+
+`solve` is the public entry point (`remat.solve`); the pipeline (remat/pipeline.py) and the FSDP2
+helpers (remat/distributed.py) call it too, so an infeasible budget is refused the same way
+everywhere: InfeasibleBudgetError naming the smallest budget the same strategy reaches.
+"""
+from __future__ import annotations
+
+from remat.core import progress
+from remat.core.training_graph import TrainingGraph
+from remat.solver import get_solver
+from remat.core.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
+from remat.validate import check_solve_args
+
+__all__ = ["solve", "smallest_feasible"]
+
+
+def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkmate",
+          time_limit_s: float | None = None, *, quiet: bool = False, **solver_kwargs) -> Plan:
+    """Plan `graph` under `budget_bytes` with one strategy; raise InfeasibleBudgetError when no
+    plan fits, naming the smallest budget found feasible (a budget this call then accepts, with the
+    same options). time_limit_s: an optional wall-clock limit on checkmate's MILP (None: only its
+    deterministic work limits, so the plan does not depend on the machine's load). quiet: no
+    progress on stderr."""
+    check_solve_args(graph, budget_bytes, solver, time_limit_s, solver_kwargs)  # before any solving
+    with progress.quiet(quiet):
+        return _solve(graph, budget_bytes, solver, time_limit_s, solver_kwargs)
+
+
+def _solve(graph: TrainingGraph, budget_bytes: int | None, solver: str, time_limit_s: float | None,
+           solver_kwargs: dict) -> Plan:
+    fn = get_solver(solver)
+    kwargs = dict(solver_kwargs)
+    if solver == "checkmate":
+        kwargs["time_limit_s"] = time_limit_s
+    plan = fn(graph, budget_bytes, **kwargs)
+    if budget_bytes is not None and (plan.status == "infeasible" or not plan.fits):
+        smallest = smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
+        raise InfeasibleBudgetError(
+            f"no {solver} plan fits {budget_bytes / 2**20:.2f} MiB; the smallest budget found feasible "
+            f"is {smallest / 2**20:.2f} MiB ({smallest} bytes)", min_feasible_bytes=smallest)
+    return plan
+
+
+def smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | None = None,
+                       **solver_kwargs) -> int:
+    """The smallest budget `solve` accepts with these options: for checkmate the peak of its
+    lowest-peak plan, which `solve` falls back to (cached per graph), so the two never disagree."""
+    if solver == "checkmate":
+        from remat.solver.checkmate import min_feasible_budget
+
+        return min_feasible_budget(graph, time_limit_s=time_limit_s, **solver_kwargs)
+    # baselines: the lowest peak they can reach, with no budget they must meet
+    return get_solver(solver)(graph, LOWEST_PEAK).predicted_peak_bytes

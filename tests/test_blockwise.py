@@ -1,0 +1,130 @@
+"""A step that cannot be traced whole (a data-dependent branch, an `.item()`, DeBERTa-v2's
+`.nonzero()` in its loss) raised TraceError and got no plan at all; now its repeated blocks are
+planned one by one and the rest runs as it is (remat/blockwise.py). Each case trains with eager's
+gradients, on both sides of its branch, and its measured peak stays under the budget."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import remat
+from remat.blockwise import BlockwiseModule, repeated_blocks
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.ln, self.fc1, self.fc2, self.drop = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1)
+
+    def forward(self, h):
+        return h + self.drop(self.fc2(F.gelu(self.fc1(self.ln(h)))))
+
+
+class Net(nn.Module):
+    """Repeated blocks, and between them Python control flow on the data (`kind`)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 5)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h)
+            if self.kind == "branch" and i == 1:
+                h = h * 2 if h.mean() > 0 else h - 1  # both sides are taken below
+        if self.kind == "item":
+            h = h / h.abs().max().item()
+        return F.cross_entropy(self.out(h), y)
+
+
+def _train_both(opt, model, ref, calls, budget):
+    for seed, call in enumerate(calls):
+        for m in (model, ref):
+            for p in m.parameters():
+                p.grad = None
+        torch.manual_seed(seed)
+        loss = opt(*call)
+        loss.backward()
+        torch.manual_seed(seed)
+        ref_loss = ref(*call)
+        ref_loss.backward()
+        assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), n
+        for p in model.parameters():
+            p.grad = None
+        peak = remat.measure_peak(lambda: opt(*call).backward(), resident=[model, *call])
+        assert peak <= budget, (seed, peak, budget)
+
+
+def _tight(model, inputs, loss=lambda out: out):
+    """A budget between the blocks' lowest-memory step and the eager step: (calibrated + eager) / 2."""
+    eager = remat.measure_peak(lambda: loss(model(*inputs)).backward(), resident=[model, *inputs])
+    for p in model.parameters():
+        p.grad = None
+    with pytest.warns(remat.BlockwisePlanWarning):
+        low = remat.optimize(model, budget_bytes=eager, example_inputs=inputs, quiet=True).fit.calibrated_bytes
+    return (low + eager) // 2
+
+
+@pytest.mark.parametrize("kind", ["branch", "item"])
+def test_a_step_with_data_dependent_python_is_planned_block_by_block(kind):
+    torch.manual_seed(0)
+    model = Net(kind)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    budget = _tight(model, (x, y))
+    with pytest.warns(remat.BlockwisePlanWarning, match="cannot be traced whole.*3 repeated blocks"):
+        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    assert isinstance(opt, BlockwiseModule) and opt.fit.measured_bytes <= budget
+    assert opt.fit.blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    _train_both(opt, model, ref, [(x, y), (-x, y), (x[:48], y[:48])], budget)
+    assert not any("forward" in b.__dict__ for b in model.blocks)  # the model is left as it was
+
+
+def test_without_repeated_blocks_the_trace_error_stays():
+    from tests.models import DataDependent
+
+    assert repeated_blocks(DataDependent()) == []
+    with pytest.raises(remat.TraceError, match="h.sum\\(\\) > 0"):
+        remat.optimize(DataDependent(), budget_bytes=2**30, example_inputs=(torch.randn(4, 8),), quiet=True)
+
+
+def test_deberta_v2_with_labels_trains_block_by_block():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.DebertaV2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, max_position_embeddings=32, num_labels=3,
+                                       hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = transformers.DebertaV2ForSequenceClassification(cfg).train()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 128, (4, 16), generator=g)
+    labels = torch.randint(0, 3, (4,), generator=g)
+
+    class Loss(nn.Module):  # the call a loop makes: ids and labels in, the model's loss out
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, labels):
+            return self.m(input_ids=ids, labels=labels).loss
+
+    wrapped, ref_wrapped = Loss(model), Loss(ref)
+    with pytest.raises(remat.TraceError):  # the whole step: nonzero() in the loss
+        remat.capture(wrapped, (ids, labels), quiet=True)
+    budget = remat.measure_peak(lambda: wrapped(ids, labels).backward(), resident=[wrapped, ids, labels])
+    for p in model.parameters():
+        p.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.BlockwisePlanWarning)
+        opt = remat.optimize(wrapped, budget_bytes=budget, example_inputs=(ids, labels), quiet=True)
+    assert opt.fit.blocks == ["m.deberta.encoder.layer.0", "m.deberta.encoder.layer.1"]
+    assert opt.fit.measured_bytes <= budget
+    _train_both(opt, wrapped, ref_wrapped, [(ids, labels), (ids[:3], labels[:3])], budget)
