@@ -29,6 +29,7 @@ class PlanDetails(TypedDict, total=False):
     # ---- checkmate: the certified search (solver/checkmate_certified.py) -------------------------
     relaxation: dict[str, Any]  # {"variables", "rows", "dense", ...} of the relaxation's LP
     certify: dict[str, Any]  # {"root_bound", "bound", "lps", "iterations", "stopped_by", "s"}
+    bound_source: str  # what gave lower_bound: which relaxation, its branch and bound, or none
     guided_plans: list[Any]  # the plans read off LP solutions
     plan_source: str
     certified_s: float

@@ -27,9 +27,10 @@ import numpy as np
 
 from remat.solver.relaxation import Relaxation
 
-__all__ = ["Certificate", "certify", "classes", "STALL"]
+__all__ = ["Certificate", "certify", "classes", "STALL", "SIMPLEX_REPORT"]
 
 STALL = 50  # LPs without the bound rising before the search gives up (deterministic)
+SIMPLEX_REPORT = 2000  # simplex iterations between two progress reports within one LP
 
 
 @dataclass
@@ -42,7 +43,8 @@ class Certificate:
     lps: int
     iterations: int
     seconds: float
-    stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit"
+    stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit",
+    # "root LP limit" (the root LP did not finish within its limits: no bound)
     x: np.ndarray | None = None
     infeasible: bool = False
     log: list = field(default_factory=list)
@@ -59,11 +61,15 @@ def classes(rel: Relaxation) -> list[list[int]]:
 
 def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float = 1e-4,
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
-            time_limit_s: float | None = None, on_solution=None, on_lp=None) -> Certificate:
+            time_limit_s: float | None = None, on_solution=None, on_lp=None,
+            root_iterations: int | None = None, on_simplex=None) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's), and
-    max_lps LPs. on_lp(lps, bound, incumbent), if given, is called after each branching (progress)."""
+    max_lps LPs; root_iterations bounds the root LP's simplex iterations (a root LP stopped by it,
+    or by the time limit, proves nothing: the bound is 0, stopped_by "root LP limit"). on_lp(lps,
+    bound, incumbent), if given, is called after each branching, on_simplex(iterations) every
+    SIMPLEX_REPORT iterations of an LP (progress)."""
     import highspy
 
     t0 = time.perf_counter()
@@ -73,6 +79,17 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     inf = highspy.kHighsInf
     h = m.highs(extra_rows=[(cols, -inf, inf) for cols in cls])
     M = highspy.HighsModelStatus
+    if on_simplex is not None:
+        last = [0]
+
+        def report(_type, _msg, data_out, _data_in, _user) -> None:
+            it = int(data_out.simplex_iteration_count)
+            if it - last[0] >= SIMPLEX_REPORT or it < last[0]:
+                last[0] = it
+                on_simplex(it)
+
+        h.setCallback(report, None)
+        h.startCallback(highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt)
     cost = np.array(m.cost, float)
     integral = np.array(m.integral, bool)
     lb0, ub0 = np.array(m.lb, float), np.array(m.ub, float)
@@ -85,8 +102,11 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             h.changeRowBounds(base + r, a, b)
         for j, (a, b) in cols.items():
             h.changeColBounds(j, a, b)
+        if time_limit_s is not None:  # the wall-clock limit holds inside an LP too
+            h.setOptionValue("time_limit", float(max(0.01, time_limit_s - (time.perf_counter() - t0))))
         h.run()
-        ok = h.getModelStatus() == M.kOptimal
+        status[0] = h.getModelStatus()
+        ok = status[0] == M.kOptimal
         out = (h.getInfo().objective_function_value, np.array(h.getSolution().col_value)) if ok else (None, None)
         iters += int(h.getInfo().simplex_iteration_count)
         for r in rows:
@@ -95,10 +115,16 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             h.changeColBounds(j, lb0[j], ub0[j] if math.isfinite(ub0[j]) else inf)
         return out
 
+    status = [None]
+    if root_iterations is not None:
+        h.setOptionValue("simplex_iteration_limit", int(root_iterations))
     root, x = lp(({}, {}))
+    h.setOptionValue("simplex_iteration_limit", highspy.kHighsIInf)
     if work_factor is not None:
         cap = int(work_factor * max(iters, 1000))
         max_iterations = cap if max_iterations is None else min(max_iterations, cap)
+    if root is None and status[0] in (M.kTimeLimit, M.kIterationLimit):
+        return Certificate(0.0, 0.0, 1, iters, time.perf_counter() - t0, "root LP limit")
     if root is None:
         return Certificate(math.inf, math.inf, 1, iters, time.perf_counter() - t0, "proved", infeasible=True)
     if on_solution is not None:

@@ -23,7 +23,8 @@ from remat.solver.guided import best_guided
 from remat.solver.relaxation import Relaxation
 from remat.core.simulator import simulate
 
-__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS"]
+__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS", "ROOT_WORK_ROWS",
+           "ROOT_MIN_ITERATIONS"]
 
 PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
@@ -31,6 +32,8 @@ MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit
 
 WORK_FACTOR = 30  # the branch and bound's simplex iterations, at most, in root LPs' worth
 WORK_ROWS = 6e9  # ... and at most WORK_ROWS / rows iterations (an iteration's cost grows with the rows)
+ROOT_WORK_ROWS = 3e10  # the root LP's simplex iterations, at most ROOT_WORK_ROWS / rows ...
+ROOT_MIN_ITERATIONS = 100_000  # ... and never fewer than this (a root LP stopped so gives no bound)
 
 
 @dataclass
@@ -75,7 +78,7 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         if attempts["n"] > PLAN_ATTEMPTS and not force:
             return best[1] / cs
         attempts["n"] += 1
-        found = best_guided(graph, rel, x, budget)
+        found = best_guided(graph, rel, x, budget, search=attempts["n"] == 1 or force)
         if found is not None:
             sched, record = found
             cost = simulate(graph, sched).extra_cost
@@ -99,9 +102,17 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         progress.note(**facts)
 
     progress_lps = [0]
+    root_iterations = int(max(ROOT_MIN_ITERATIONS, ROOT_WORK_ROWS / max(rel.model.num_rows, 1)))
+
+    def on_simplex(iterations: int) -> None:  # within one LP: its simplex iterations so far
+        if progress_lps[0] == 0:
+            progress.note(root_lp_iterations=f"{iterations}/{root_iterations} max")
+        else:
+            progress.note(lp_iterations=iterations)
+
     cert = certify(rel, incumbent=best[1] / cs, target_gap=mip_gap, max_iterations=max_iterations,
                    work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution,
-                   on_lp=on_lp)
+                   on_lp=on_lp, root_iterations=root_iterations, on_simplex=on_simplex)
     if cert.infeasible:
         details["infeasible_row"] = None
         return CertifiedResult(None, math.inf, math.inf, details)
@@ -111,6 +122,12 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
     details["certify"] = {"root_bound": safe_bound(rel, cert.root), "bound": bound, "lps": cert.lps,
                           "iterations": cert.iterations, "stopped_by": cert.stopped_by,
                           "s": round(cert.seconds, 3)}
+    if cert.stopped_by == "root LP limit":
+        details["bound_source"] = (f"none: the root LP of the relaxation stopped at its limit ({cert.iterations} "
+                                   "simplex iterations) before its optimum, so no bound is proven")
+    else:
+        details["bound_source"] = (f"LP relaxation of the fine graph ({len(rel.groups)} groups, sitting states "
+                                   f"between their active rows), branch and bound on class sums ({cert.lps} LPs)")
     details["guided_plans"] = plans_log
     details["plan_source"] = best[2]
     details["certified_s"] = round(time.perf_counter() - t0, 3)

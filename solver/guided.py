@@ -188,11 +188,12 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
 
 
 def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: int,
-                thresholds=THRESHOLDS) -> tuple[list[str], dict] | None:
+                thresholds=THRESHOLDS, search: bool = True) -> tuple[list[str], dict] | None:
     """The cheapest refined plan over the thresholds (each made to fit first), with a record of
-    what each threshold gave; None when none could be made to fit."""
+    what each threshold gave; None when none could be made to fit. search: also the schedules of
+    threshold_search (the slower part: the caller asks for it on its first and last solutions)."""
     best, record = None, {}
-    for with_r, sticky in ((True, False), (False, False), (False, True)):  # least threshold that fits
+    for with_r, sticky in ((True, False), (False, False), (False, True)) if search else ():
         sched = threshold_search(graph, rel, x, budget, with_r, sticky=sticky)
         if sched is not None:
             sched = drop_recomputations(graph, sched, budget)
