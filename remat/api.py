@@ -64,8 +64,9 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     dataclasses included, rebuilt on every call); an output that is neither a tensor nor a
     constant (e.g. a Hugging Face cache: pass use_cache=False) raises OutputError here, and an
     output other than a single loss draws an OutsideBudgetWarning (what the caller does with it is
-    not budgeted). Each call uses the model's current parameters (ParameterMismatchError if they
-    no longer fit the traced graph).
+    not budgeted). Each call uses the model's current parameters; freezing or unfreezing some
+    (`requires_grad_`) plans the step again for that pattern; a parameter of another shape, dtype
+    or device raises ParameterMismatchError (call remat.optimize again).
     `solve_on_rank` (torch.distributed initialised, every rank calling): that rank solves the
     example inputs' plan and broadcasts it, the others deploy it (README: Beyond one device); later
     kinds of call are planned by each rank on its own (the default cost model is deterministic, so

@@ -39,6 +39,7 @@ from remat.solver import get_solver
 from remat.core.plan import Plan
 from remat.solver.schedule import keep_all_schedule
 from remat.core.simulator import simulate
+from remat.solving import strategy_options
 from remat.validate import RematArgumentError, check_solve_args
 
 __all__ = ["load_factory", "takes_batch", "build", "capture_graph", "keep_all_peak", "try_solve",
@@ -173,11 +174,8 @@ def try_solve(graph: TrainingGraph, budget: int, solver: str, time_limit_s: floa
     """`solver`'s plan under `budget`, or None when it finds none that fits (without the search
     for the smallest feasible budget that remat.solve adds)."""
     check_solve_args(graph, budget, solver, time_limit_s, options)
-    kwargs = dict(options)
-    if solver == "checkmate":
-        kwargs["time_limit_s"] = time_limit_s
     try:
-        plan = get_solver(solver)(graph, budget, **kwargs)
+        plan = get_solver(solver)(graph, budget, **strategy_options(solver, time_limit_s, options).as_kwargs())
     except Exception as e:  # InfeasibleBudgetError and the strategies' own "nothing fits"
         if type(e).__name__ == "InfeasibleBudgetError":
             return None

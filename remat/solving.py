@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from remat.core import progress
 from remat.core.training_graph import TrainingGraph
-from remat.solver import get_solver
+from remat.solver import get_options, get_solver
 from remat.core.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
 from remat.validate import check_solve_args
 
-__all__ = ["solve", "smallest_feasible"]
+__all__ = ["solve", "smallest_feasible", "strategy_options"]
 
 
 def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkmate",
@@ -29,11 +29,7 @@ def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkma
 
 def _solve(graph: TrainingGraph, budget_bytes: int | None, solver: str, time_limit_s: float | None,
            solver_kwargs: dict) -> Plan:
-    fn = get_solver(solver)
-    kwargs = dict(solver_kwargs)
-    if solver == "checkmate":
-        kwargs["time_limit_s"] = time_limit_s
-    plan = fn(graph, budget_bytes, **kwargs)
+    plan = get_solver(solver)(graph, budget_bytes, **strategy_options(solver, time_limit_s, solver_kwargs).as_kwargs())
     if budget_bytes is not None and (plan.status == "infeasible" or not plan.fits):
         smallest = smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
         raise InfeasibleBudgetError(
@@ -46,9 +42,16 @@ def smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | N
                        **solver_kwargs) -> int:
     """The smallest budget `solve` accepts with these options: for checkmate the peak of its
     lowest-peak plan, which `solve` falls back to (cached per graph), so the two never disagree."""
+    options = strategy_options(solver, time_limit_s, solver_kwargs)
     if solver == "checkmate":
         from remat.solver.checkmate import min_feasible_budget
 
-        return min_feasible_budget(graph, time_limit_s=time_limit_s, **solver_kwargs)
-    # baselines: the lowest peak they can reach, with no budget they must meet
-    return get_solver(solver)(graph, LOWEST_PEAK).predicted_peak_bytes
+        return min_feasible_budget(graph, **options.lowest_peak_kwargs())
+    # baselines: the lowest peak they reach with these options, with no budget they must meet
+    return get_solver(solver)(graph, LOWEST_PEAK, **options.as_kwargs()).predicted_peak_bytes
+
+
+def strategy_options(solver: str, time_limit_s: float | None, solver_kwargs: dict):
+    """The strategy's Options (time_limit_s is checkmate's only: the baselines take no time)."""
+    kwargs = {**solver_kwargs, "time_limit_s": time_limit_s} if solver == "checkmate" else solver_kwargs
+    return get_options(solver).make(solver, kwargs)

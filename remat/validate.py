@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from remat.core.errors import RematError
 
-import inspect
 import math
 import numbers
 import os
@@ -82,26 +81,21 @@ def _time_limit(time_limit_s: Any) -> None:
 
 def check_solver(solver: Any, solver_kwargs: dict) -> None:
     """A strategy name and its options: RematArgumentError naming a bad one."""
-    from remat.solver import STRATEGIES, get_solver
+    from remat.solver import STRATEGIES, get_options
 
     if not isinstance(solver, str):
         raise RematArgumentTypeError(f"solver must be a string, one of {', '.join(STRATEGIES)}; got {_kind(solver)} "
                                      f"{solver!r}")
     if solver not in STRATEGIES:
         raise RematArgumentError(f"unknown solver {solver!r}; choose one of {', '.join(STRATEGIES)}")
-    if not solver_kwargs:
-        return
-    # the strategies take `**_` so that one call fits all: a misspelt option would be dropped silently
+    if "time_limit_s" in solver_kwargs:
+        raise RematArgumentError("time_limit_s is an argument of its own, not a solver option")
+    from remat.solver.options import OptionsError
+
     try:
-        params = inspect.signature(get_solver(solver)).parameters
-    except Exception:  # the solver cannot even be loaded: solving will say why, with its own error
-        return
-    named = {n for n, p in list(params.items())[2:]  # after (graph, budget_bytes)
-             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    unknown = sorted(set(solver_kwargs) - named - {"time_limit_s"})
-    if unknown:
-        allowed = ", ".join(sorted(named)) or "none"
-        raise RematArgumentError(f"solver {solver!r} takes no option {', '.join(unknown)} (its options: {allowed})")
+        get_options(solver).make(solver, solver_kwargs)
+    except OptionsError as e:
+        raise RematArgumentError(str(e)) from e
 
 
 def _fused_attention(fused_attention: Any) -> None:

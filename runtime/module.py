@@ -54,11 +54,18 @@ class PlanCacheLimitWarning(RematWarning):
     each new one costs a trace from now on."""
 
 
-CallKey = tuple  # (argument structure, leaves, submodule modes, autocast state): see call_key
+CallKey = tuple  # (argument structure, leaves, submodule modes, frozen parameters, autocast state): see call_key
 
 
 def _modes(model: nn.Module) -> tuple[tuple[str, bool], ...]:
     return tuple((name, m.training) for name, m in model.named_modules())
+
+
+def _frozen(model: nn.Module) -> tuple[int, ...]:
+    """The positions of the model's parameters that do not require grad: freezing or unfreezing a
+    layer during training (fine-tuning schedules) changes which gradients the step computes, so the
+    step is planned again for the new pattern."""
+    return tuple(i for i, p in enumerate(model.parameters()) if not p.requires_grad)
 
 
 def model_device_types(model: nn.Module) -> tuple[str, ...]:
@@ -91,13 +98,13 @@ def call_key(model: nn.Module, args: tuple, kwargs: dict,
             parts.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
         else:
             parts.append(_value_key(x))
-    return (spec, tuple(parts), _modes(model), AutocastState.current(types)), tensors
+    return (spec, tuple(parts), _modes(model), _frozen(model), AutocastState.current(types)), tensors
 
 
 def describe_key(key: CallKey) -> str:
     """The call a key stands for, in a few words: each argument's shape and dtype (requires_grad
     where it does), or its value, and the mode: "idx=(4, 64) int64, targets=(4, 64) int64 (train)"."""
-    spec, parts, modes, autocast = key
+    spec, parts, modes, frozen, autocast = key
 
     def leaf(p: tuple) -> str:
         if len(p) == 4 and isinstance(p[1], torch.dtype):
@@ -109,7 +116,8 @@ def describe_key(key: CallKey) -> str:
     named = [str(a) if not isinstance(a, str) else a for a in args]
     named += [f"{k}={v}" for k, v in kwargs.items()]
     mode = "train" if modes and modes[0][1] else "eval"
-    extra = "" if not autocast.enabled else f", {autocast}"
+    extra = f", {len(frozen)} parameters frozen" if frozen else ""
+    extra += "" if not autocast.enabled else f", {autocast}"
     return f"inputs {', '.join(named) or 'none'} ({mode}{extra})"
 
 

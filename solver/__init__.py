@@ -1,11 +1,12 @@
-"""Solvers: one module per strategy, one signature `solve(graph, budget_bytes, ...) -> Plan`."""
+"""Solvers: one module per strategy, one signature `solve(graph, budget_bytes, **options) -> Plan`
+whose keyword options are the fields of the strategy's frozen `Options` (solver/options.py)."""
 import threading
 
 from remat.core.plan import InfeasibleBudgetError, Plan, plan_from_schedule
 from remat.core.simulator import ScheduleError, SimResult, simulate
 
 __all__ = ["Plan", "InfeasibleBudgetError", "plan_from_schedule", "simulate", "SimResult",
-           "ScheduleError", "STRATEGIES", "get_solver"]
+           "ScheduleError", "STRATEGIES", "get_solver", "get_options"]
 
 STRATEGIES = ("checkmate", "keep_all", "equal_spacing", "chen_greedy", "per_block", "selective", "revolve")
 
@@ -17,6 +18,15 @@ def get_solver(name: str):
     if name not in STRATEGIES:
         raise ValueError(f"unknown solver {name!r}; choose one of {', '.join(STRATEGIES)}")
     return importlib.import_module(f"remat.solver.{name}").solve
+
+
+def get_options(name: str):
+    """The `Options` dataclass of a strategy, imported lazily."""
+    import importlib
+
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown solver {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return importlib.import_module(f"remat.solver.{name}").Options
 
 
 def _import_pulp_on_its_own_stack() -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from remat.core.training_graph import TrainingGraph
 from remat.solver import equal_spacing
@@ -39,22 +39,55 @@ from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, se
 from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph, judge_schedules,
                                            plan_from_stages)
 from remat.core.plan import Plan, PlanStatus, plan_from_schedule
+from remat.solver.options import StrategyOptions, check_choice, check_int, check_number
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
 
-__all__ = ["solve", "min_feasible_budget", "node_limit", "SolverFallbackWarning", "DEFAULT_COARSEN_TO",
+__all__ = ["Options", "solve", "min_feasible_budget", "node_limit", "SolverFallbackWarning", "DEFAULT_COARSEN_TO",
            "NODE_WORK", "MIN_NODES", "MILP_MAX_COARSE_NODES"]
 
 BASELINES_MAX_NODES = 1000  # larger graphs: the baselines only when the certified search finds nothing
 TINY = 1e-12
 
 
+@dataclass(frozen=True)
+class Options(StrategyOptions):
+    """checkmate's options (see `solve`). The ones `min_feasible_budget` takes too (the
+    lowest-peak plan is `solve`'s last fallback) are `lowest_peak_kwargs()`."""
+
+    backend: str = "auto"
+    max_nodes: int | None = None
+    time_limit_s: float | None = None
+    coarsen_to: int | None = DEFAULT_COARSEN_TO
+    warm_start: bool = True
+    mip_gap: float | None = 1e-4
+    threads: int | None = 1
+    msg: bool = False
+    milp: str = "auto"
+    certify: bool = True
+    max_iterations: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("backend", self.backend, ("auto", "highs", "cbc"))
+        check_choice("milp", self.milp, ("auto", "always", "never"))
+        for name in ("warm_start", "msg", "certify"):
+            check_choice(name, getattr(self, name), (True, False))
+        check_int("max_nodes", self.max_nodes, 1, optional=True)
+        check_int("coarsen_to", self.coarsen_to, 1, optional=True)
+        check_int("threads", self.threads, 1, optional=True)
+        check_int("max_iterations", self.max_iterations, 1, optional=True)
+        check_number("time_limit_s", self.time_limit_s, 0, optional=True, strict=True)
+        check_number("mip_gap", self.mip_gap, 0, optional=True)
+
+    def lowest_peak_kwargs(self) -> dict:
+        return {k: getattr(self, k) for k in ("backend", "max_nodes", "time_limit_s", "coarsen_to", "threads", "mip_gap")}
+
+
 def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
           max_nodes: int | None = None, time_limit_s: float | None = None,
           coarsen_to: int | None = DEFAULT_COARSEN_TO, warm_start: bool = True,
           mip_gap: float | None = 1e-4, threads: int | None = 1, msg: bool = False,
-          milp: str = "auto", certify: bool = True, max_iterations: int | None = None,
-          **_: object) -> Plan:
+          milp: str = "auto", certify: bool = True, max_iterations: int | None = None) -> Plan:
     """The cheapest plan found under `budget_bytes` (the step's peak, resident memory included),
     with a proven lower bound on the extra cost of any plan (see the module docstring).
 

@@ -137,8 +137,7 @@ def _relieved(graph: TrainingGraph, peak: int, source: str, plan: Plan) -> tuple
 def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",
                         max_nodes: int | None = None,
                         time_limit_s: float | None = None, coarsen_to: int | None = DEFAULT_COARSEN_TO,
-                        threads: int | None = 1, mip_gap: float | None = 1e-4, return_plan: bool = False,
-                        **_: object):
+                        threads: int | None = 1, mip_gap: float | None = 1e-4, return_plan: bool = False):
     """The smallest budget for which a plan was found: the FINE simulated peak of the lowest-peak
     candidate (the relaxation's low-peak schedule, equal_spacing's lowest-peak plan, and on small
     coarse graphs the MILP minimising the peak, a variable M >= U[t,k] + workspace + kept +

@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 from remat.core.training_graph import TrainingGraph
+from remat.solver.options import StrategyOptions, check_int
 from remat.solver.equal_spacing import checkpoint_candidates
 from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting, schedule_from_kept
 
-__all__ = ["solve", "segment", "thresholds"]
+__all__ = ["Options", "solve", "segment", "thresholds"]
 
 
 def segment(graph: TrainingGraph, threshold: float, candidates: list[str] | None = None
@@ -83,8 +85,22 @@ def thresholds(graph: TrainingGraph, candidates: list[str] | None = None, *, rou
     return sorted(out)
 
 
+@dataclass(frozen=True)
+class Options(StrategyOptions):
+    """The segment budgets `thresholds` tries: `rounds` of Chen's sqrt(x*y) guesses, memonger's
+    `ntrial` linear steps, a geometric grid of `grid` values."""
+
+    rounds: int = 3
+    ntrial: int = 6
+    grid: int = 48
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "ntrial", "grid"):
+            check_int(name, getattr(self, name), 0)
+
+
 def solve(graph: TrainingGraph, budget_bytes: int | None = None, *, rounds: int = 3, ntrial: int = 6,
-          grid: int = 48, **_: object) -> Plan:
+          grid: int = 48) -> Plan:
     """The cheapest plan (least extra cost) of Chen's greedy segmentation over the thresholds of
     `thresholds(graph, rounds=, ntrial=, grid=)` whose simulated peak fits `budget_bytes`
     (None: no budget, the cheapest of all). Status "heuristic"; when no threshold fits, the

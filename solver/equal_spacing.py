@@ -8,14 +8,16 @@ return the cheapest plan that fits the budget (Chen's sqrt(n) is one of the k tr
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import networkx as nx
 
+from remat.solver.options import StrategyOptions
 from remat.core.training_graph import TrainingGraph
 from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting, schedule_from_kept
 
-__all__ = ["solve", "checkpoint_candidates"]
+__all__ = ["Options", "solve", "checkpoint_candidates"]
 
 
 def checkpoint_candidates(graph: TrainingGraph) -> list[str]:
@@ -29,7 +31,12 @@ def checkpoint_candidates(graph: TrainingGraph) -> list[str]:
     return [n.name for n in fwd if n.name in points and n.recomputable]
 
 
-def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) -> Plan:
+@dataclass(frozen=True)
+class Options(StrategyOptions):
+    """equal_spacing takes no options (it tries every spacing k)."""
+
+
+def solve(graph: TrainingGraph, budget_bytes: int | None = None) -> Plan:
     """The cheapest plan over every k (keep every k-th candidate) that fits `budget_bytes`; when
     none fits, the lowest-peak one, with status "infeasible"."""
     t0 = time.perf_counter()

@@ -37,12 +37,14 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from remat.core.training_graph import TrainingGraph
+from remat.solver.options import OptionsError, StrategyOptions
 from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import schedule_from_kept
 
-__all__ = ["solve", "find_blocks", "repeated_containers", "block_kept"]
+__all__ = ["Options", "solve", "find_blocks", "repeated_containers", "block_kept"]
 
 
 def _numbered_child(path: str, prefix: str) -> str | None:
@@ -106,8 +108,21 @@ def block_kept(graph: TrainingGraph, blocks: dict[str, list[str]]) -> list[str]:
     return kept
 
 
+@dataclass(frozen=True)
+class Options(StrategyOptions):
+    """containers: the repeated containers' module paths, e.g. ("h",) (None: found from the
+    module paths)."""
+
+    containers: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        c = self.containers
+        if c is not None and (isinstance(c, str) or not all(isinstance(x, str) for x in c)):
+            raise OptionsError(f"containers must be module paths (a list of str) or None, got {c!r}")
+
+
 def solve(graph: TrainingGraph, budget_bytes: int | None = None, *,
-          containers: Iterable[str] | None = None, **_: object) -> Plan:
+          containers: Iterable[str] | None = None) -> Plan:
     """Keep each block's inputs and outputs, recompute its inside (see the module docstring).
     containers: the repeated containers' module paths (default: found from the module paths).
     Status "heuristic" when the plan fits `budget_bytes` (or there is none), else "infeasible"."""

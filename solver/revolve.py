@@ -58,11 +58,12 @@ from functools import lru_cache
 import networkx as nx
 
 from remat.core.errors import RematError
+from remat.solver.options import StrategyOptions, check_int
 from remat.core.training_graph import TrainingGraph
 from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import cheapest_fitting
 
-__all__ = ["solve", "NotAChainError", "Chain", "find_chain", "revolve_actions", "griewank_p", "optimal_advances"]
+__all__ = ["Options", "solve", "NotAChainError", "Chain", "find_chain", "revolve_actions", "griewank_p", "optimal_advances"]
 
 
 class NotAChainError(RematError, ValueError):
@@ -319,8 +320,17 @@ def _drop_unread(graph: TrainingGraph, sched: list[str]) -> list[str]:
     return out[::-1]
 
 
-def solve(graph: TrainingGraph, budget_bytes: int | None = None, *, snapshots: int | None = None,
-          **_: object) -> Plan:
+@dataclass(frozen=True)
+class Options(StrategyOptions):
+    """snapshots: the number of checkpoints c to use (None: the cheapest c that fits)."""
+
+    snapshots: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("snapshots", self.snapshots, 0, optional=True)
+
+
+def solve(graph: TrainingGraph, budget_bytes: int | None = None, *, snapshots: int | None = None) -> Plan:
     """The cheapest revolve plan over snapshot counts c = 0..l-1 (or `snapshots` only) whose
     simulated peak fits `budget_bytes` (None: no budget); status "heuristic", or "infeasible"
     with the lowest-peak plan when none fits. NotAChainError when the graph is not a chain.

@@ -40,12 +40,14 @@ keep_all). A graph without attention gets the keep-all plan (details["cores"] ==
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+from remat.solver.options import StrategyOptions
 from remat.core.training_graph import TrainingGraph
 from remat.core.plan import Plan, finished, plan_from_schedule
 from remat.solver.schedule import schedule_from_kept
 
-__all__ = ["solve", "attention_cores", "core_outputs", "SOFTMAX_OPS", "MATMUL_OPS", "FUSED_ATTENTION_OPS"]
+__all__ = ["Options", "solve", "attention_cores", "core_outputs", "SOFTMAX_OPS", "MATMUL_OPS", "FUSED_ATTENTION_OPS"]
 
 SOFTMAX_OPS = ("_softmax", "softmax", "_safe_softmax")
 MATMUL_OPS = ("bmm", "matmul", "baddbmm")
@@ -134,7 +136,12 @@ def core_outputs(graph: TrainingGraph, core: list[str]) -> list[str]:
     return [x for x in core[soft + 1:] if _base(graph.node(x).op) in MATMUL_OPS]
 
 
-def solve(graph: TrainingGraph, budget_bytes: int | None = None, **_: object) -> Plan:
+@dataclass(frozen=True)
+class Options(StrategyOptions):
+    """selective takes no options (the attention cores are found in the graph)."""
+
+
+def solve(graph: TrainingGraph, budget_bytes: int | None = None) -> Plan:
     """Keep every forward value except the attention cores' inner values (scores, scale, mask,
     softmax, dropout output), which are recomputed from q, k, v; the cores' outputs are kept (see
     the module docstring). Status "heuristic" when the plan fits `budget_bytes` (or there is none),

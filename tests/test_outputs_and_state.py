@@ -254,10 +254,6 @@ def test_parameters_the_step_cannot_run_are_refused():
     with pytest.raises(ParameterMismatchError, match=r"fc1\.weight is now \(\(32, 16\), \(1, 32\)"):
         opt(*inputs)
     model.fc1.weight = w
-    w.requires_grad_(False)  # the graph computes its gradient; its absence must not pass silently
-    with pytest.raises(ParameterMismatchError, match=r"fc1\.weight is now"):
-        opt(*inputs)
-    w.requires_grad_(True)
     model.fc1.register_buffer("extra", torch.zeros(1))
     with pytest.raises(ParameterMismatchError, match=r"added: \['fc1\.extra'\]"):
         opt(*inputs)

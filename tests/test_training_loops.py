@@ -102,6 +102,22 @@ def test_blocks_optimized_one_by_one_inside_a_bigger_model_train_as_eager():
     assert model.wte.weight.grad is not None and model.wte.weight.grad.abs().sum() > 0
 
 
+def test_freezing_and_unfreezing_parameters_plans_each_pattern():
+    """Fine-tuning schedules freeze layers mid-training: the step traced with every parameter
+    requiring grad would compute (and the frozen parameter would receive) a gradient eager does
+    not; each pattern is planned for, and the first comes back from the cache."""
+    model, ref, inputs = _pair(dropout=0.0)
+    opt = remat.optimize(model, budget_bytes=2**30, example_inputs=inputs, quiet=True, solver="keep_all")
+    for frozen in (("wte.weight", "h.0.attn.c_attn.weight"), ()):
+        for m in (model, ref):
+            for n, p in m.named_parameters():
+                p.requires_grad_(n not in frozen)
+        _zero(model, ref)
+        _assert_same(model, ref, _step(opt, inputs), _step(ref, inputs))
+        assert all((p.grad is None) == (n in frozen) for n, p in model.named_parameters())
+    assert len(opt.plans) == 2 and "2 parameters frozen" in opt.plan_log[1].call
+
+
 def test_the_last_smaller_batch_and_a_shorter_sequence_train_under_the_budget():
     """Batch 3 after 4 and sequence 48 after 64 raised "call remat.optimize again"."""
     model, ref, inputs = _pair(dropout=0.1)
