@@ -28,8 +28,8 @@ class PlanDetails(TypedDict, total=False):
     fallback: dict[str, Any]  # {"reason", "candidates"} when a fallback answered
     # ---- checkmate: the rows over the budget (solver/peak_rows.py) -------------------------------
     peak_rows: dict[str, Any]  # {"rows_over_budget", "solves": [each model's size, status, bound], "bound", "s"}
-    bound_source: str  # what gave lower_bound: the rows' models or the whole step's relaxation
-    certify_skipped: str  # why the certified search did not run on a large graph
+    bound_source: str  # what gave lower_bound: the rows' models, or which relaxation and its branch and bound, or none
+    certify_skipped: str  # why the certified search did not run (a large graph, or a relaxation too large to solve)
     # ---- checkmate: the certified search (solver/checkmate_certified.py) -------------------------
     relaxation: dict[str, Any]  # {"variables", "rows", "dense", ...} of the relaxation's LP
     certify: dict[str, Any]  # {"root_bound", "bound", "lps", "iterations", "stopped_by", "s"}

@@ -40,7 +40,7 @@ class BoundResult:
 def safe_bound(rel: Relaxation, value: float) -> float:
     """A model bound (in the model's cost units) as a bound in cost units, less a safety margin
     for the solver's tolerances."""
-    return max(0.0, value * rel.cost_scale * (1 - SAFETY) - SAFETY * 1e-3 * rel.g.total_cost)
+    return max(0.0, value * rel.cost_scale * (1 - SAFETY) - SAFETY * 1e-3 * rel.graph.total_cost)
 
 
 def solve_relaxation(rel: Relaxation, *, integral: bool = False, max_nodes: int | None = None,
@@ -99,7 +99,7 @@ def point_of_schedule(rel: Relaxation, schedule: list[str]) -> np.ndarray:
     row at an objective no higher than its extra cost."""
     from remat.core.simulator import last_reads
 
-    g = rel.g
+    g = rel.graph
     idx, n = g.index, rel.n
     comps: list[list[int]] = [[] for _ in range(n)]
     for p, name in enumerate(schedule):
@@ -111,7 +111,7 @@ def point_of_schedule(rel: Relaxation, schedule: list[str]) -> np.ndarray:
     start: dict = {}
     for s, frees in enumerate(last_reads(g, schedule)):
         u = idx[schedule[s]]
-        for k in range(len(rel.P[u])):
+        for k in range(len(rel.part_bytes[u])):
             start[u, k] = s
         for name, k in frees:
             spans.setdefault((idx[name], k), []).append((start[idx[name], k], s))
@@ -120,36 +120,45 @@ def point_of_schedule(rel: Relaxation, schedule: list[str]) -> np.ndarray:
         return any(p <= pos < f for p, f in spans.get((u, k), ()))
 
     at = {s: tau[s] for s in range(n)}  # state -> schedule position it stands for
-    for gi, (a, b, _, parts) in rel.sitting.items():
-        keys = [key for key in rel.L if key[2] == n + gi]
-        best = min(range(a, b + 1), key=lambda t: sum(rel.P[u][k] * live(u, k, tau[t]) for u, k, _ in keys))
-        at[n + gi] = tau[best]
+    # sitting states over the same rows stand for one row: the one where their modelled parts
+    # hold the least memory together (so the memory row of every one of those rows holds)
+    keys_of: dict = {}
+    for (u, k, s) in rel.live:
+        if s >= n:
+            keys_of.setdefault(s, []).append((u, k))
+    by_span: dict = {}
+    for j, (_, a, b) in enumerate(rel.sitting_spans):
+        by_span.setdefault((a, b), []).append(n + j)
+    for (a, b), states in by_span.items():
+        keys = [key for s in states for key in keys_of.get(s, ())]
+        best = min(range(a, b + 1), key=lambda t: sum(rel.part_bytes[u][k] * live(u, k, tau[t]) for u, k in keys))
+        for s in states:
+            at[s] = tau[best]
     at[-1] = math.inf
     x = np.zeros(rel.model.num_vars)
     if rel.peak is not None:
         from remat.core.simulator import simulate
 
         x[rel.peak] = simulate(g, schedule).peak_bytes / rel.mem_scale
-    for (u, k, s), col in rel.L.items():
+    for (u, k, s), col in rel.live.items():
         x[col] = float(live(u, k, at[s]))
-    for (u, s), col in rel.C.items():
-        d = rel.D[u, s]
+    for (u, s), col in rel.again.items():
+        d = rel.deadline[u, s]
         end = tau[d] if d < n else math.inf
         x[col] = float(any(at[s] < p < end for p in comps[u]))
-    for (u, b), col in rel.R.items():
+    for (u, b), col in rel.computed.items():
         a = rel.interval[u, b][0]
         x[col] = float(any(at[a] < p <= at[b] for p in comps[u]))
     ms = rel.mem_scale
-    for gi, (_, _, M, parts) in rel.sitting.items():
+    for j, (_, _, M, parts) in rel.sitting.items():
         x[M] = sum(bts / ms * x[col] for col, bts in parts)
-    for t, (W, ys) in rel.W.items():
-        total = sum(x[rel.sitting[gi][2]] for gi in rel.sitting
-                    if rel.sitting[gi][0] <= t <= rel.sitting[gi][1])
+    for t, (W, ys) in rel.carried.items():
+        total = sum(x[M] for a, b, M, _ in rel.sitting.values() if a <= t <= b)
         for y, u, k, read in ys:
             if y is None:  # a non-recomputable part: its L
-                total += rel.P[u][k] / ms * x[rel.L[u, k, t]]
+                total += rel.part_bytes[u][k] / ms * x[rel.live[u, k, t]]
                 continue
-            x[y] = max(0.0, (1.0 if read else x[rel.L[u, k, t]]) - x[rel.R[u, t]])
-            total += rel.P[u][k] / ms * x[y]
+            x[y] = max(0.0, (1.0 if read else x[rel.live[u, k, t]]) - x[rel.computed[u, t]])
+            total += rel.part_bytes[u][k] / ms * x[y]
         x[W] = total
     return x

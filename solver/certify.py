@@ -13,7 +13,7 @@ above the incumbent plan's cost are pruned (the optimum is at most that cost any
 
 The search is cut by deterministic work limits (simplex iterations over all LPs, and LPs solved),
 optionally by wall clock, and stops once the bound is within `target_gap` of the incumbent, or when
-STALL LPs in a row have not raised it. Every node's LP solution is offered to `on_solution` (the
+STALL LPs in a row have not raised it by STALL_RISE of the gap left. Every node's LP solution is offered to `on_solution` (the
 caller turns it into plans: a better incumbent prunes more).
 """
 from __future__ import annotations
@@ -27,9 +27,16 @@ import numpy as np
 
 from remat.solver.relaxation import Relaxation
 
-__all__ = ["Certificate", "certify", "classes", "STALL"]
+__all__ = ["Certificate", "certify", "classes", "STALL", "STALL_RISE", "SIMPLEX_REPORT", "WORK_FLOOR"]
 
-STALL = 50  # LPs without the bound rising before the search gives up (deterministic)
+# the branch and bound may always spend this many simplex iterations, whatever its work factor
+# (a small graph's root LP takes a few hundred; proving its optimum takes some thousands)
+WORK_FLOOR = 30_000
+STALL = 50  # LPs without the bound rising before the search gives up (deterministic) ...
+# ... by at least this share of the gap left (on a CNN the bound creeps up by 1e-5 of the gap per
+# LP, 150 LPs for nothing)
+STALL_RISE = 0.01
+SIMPLEX_REPORT = 2000  # simplex iterations between two progress reports within one LP
 
 
 @dataclass
@@ -42,7 +49,8 @@ class Certificate:
     lps: int
     iterations: int
     seconds: float
-    stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit"
+    stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit",
+    # "root LP limit" (the root LP did not finish within its limits: no bound)
     x: np.ndarray | None = None
     infeasible: bool = False
     log: list = field(default_factory=list)
@@ -51,19 +59,25 @@ class Certificate:
 def classes(rel: Relaxation) -> list[list[int]]:
     """R columns grouped by the class of their node (op, bytes, workspace, cost)."""
     out: dict = {}
-    for (u, _), col in rel.R.items():
-        v = rel.g.nodes[u]
+    for (u, _), col in rel.computed.items():
+        v = rel.graph.nodes[u]
         out.setdefault((v.op, v.out_bytes, v.workspace_bytes, round(v.cost, 6)), []).append(col)
     return [cols for _, cols in sorted(out.items(), key=lambda kv: min(kv[1]))]
 
 
 def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float = 1e-4,
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
-            time_limit_s: float | None = None, on_solution=None, on_lp=None) -> Certificate:
+            time_limit_s: float | None = None, on_solution=None, on_lp=None,
+            root_iterations: int | None = None, on_simplex=None) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
-    limits: max_iterations simplex iterations in all (or work_factor times the root LP's), and
-    max_lps LPs. on_lp(lps, bound, incumbent), if given, is called after each branching (progress)."""
+    limits: max_iterations simplex iterations in all (or work_factor times the root LP's, never
+    below WORK_FLOOR), and max_lps LPs; root_iterations bounds the root LP's simplex iterations (a
+    root LP stopped by it, or by the time limit, proves nothing: the bound is 0, stopped_by "root
+    LP limit"). on_lp(lps,
+    bound, incumbent, work), if given, is called after each branching (work: the share of the
+    simplex iteration limit spent, None without one), on_simplex(iterations) every
+    SIMPLEX_REPORT iterations of an LP (progress)."""
     import highspy
 
     t0 = time.perf_counter()
@@ -73,6 +87,17 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     inf = highspy.kHighsInf
     h = m.highs(extra_rows=[(cols, -inf, inf) for cols in cls])
     M = highspy.HighsModelStatus
+    if on_simplex is not None:
+        last = [0]
+
+        def report(_type, _msg, data_out, _data_in, _user) -> None:
+            it = int(data_out.simplex_iteration_count)
+            if it - last[0] >= SIMPLEX_REPORT or it < last[0]:
+                last[0] = it
+                on_simplex(it)
+
+        h.setCallback(report, None)
+        h.startCallback(highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt)
     cost = np.array(m.cost, float)
     integral = np.array(m.integral, bool)
     lb0, ub0 = np.array(m.lb, float), np.array(m.ub, float)
@@ -85,8 +110,11 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             h.changeRowBounds(base + r, a, b)
         for j, (a, b) in cols.items():
             h.changeColBounds(j, a, b)
+        if time_limit_s is not None:  # the wall-clock limit holds inside an LP too
+            h.setOptionValue("time_limit", float(max(0.01, time_limit_s - (time.perf_counter() - t0))))
         h.run()
-        ok = h.getModelStatus() == M.kOptimal
+        status[0] = h.getModelStatus()
+        ok = status[0] == M.kOptimal
         out = (h.getInfo().objective_function_value, np.array(h.getSolution().col_value)) if ok else (None, None)
         iters += int(h.getInfo().simplex_iteration_count)
         for r in rows:
@@ -95,10 +123,16 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             h.changeColBounds(j, lb0[j], ub0[j] if math.isfinite(ub0[j]) else inf)
         return out
 
+    status = [None]
+    if root_iterations is not None:
+        h.setOptionValue("simplex_iteration_limit", int(root_iterations))
     root, x = lp(({}, {}))
+    h.setOptionValue("simplex_iteration_limit", highspy.kHighsIInf)
     if work_factor is not None:
-        cap = int(work_factor * max(iters, 1000))
+        cap = int(max(work_factor * iters, WORK_FLOOR))
         max_iterations = cap if max_iterations is None else min(max_iterations, cap)
+    if root is None and status[0] in (M.kTimeLimit, M.kIterationLimit):
+        return Certificate(0.0, 0.0, 1, iters, time.perf_counter() - t0, "root LP limit")
     if root is None:
         return Certificate(math.inf, math.inf, 1, iters, time.perf_counter() - t0, "proved", infeasible=True)
     if on_solution is not None:
@@ -118,7 +152,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
         if max_iterations is not None and iters >= max_iterations or max_lps is not None and lps >= max_lps:
             stopped = "work limit"
             break
-        if value > last_rise[0] * (1 + 1e-9) + 1e-12:
+        if value > last_rise[0] + max(STALL_RISE * (incumbent - last_rise[0]) if incumbent < math.inf else 0.0,
+                                      1e-9 * abs(last_rise[0]) + 1e-12):
             last_rise[:] = [value, lps]
         elif lps - last_rise[1] >= STALL:
             stopped = "stalled"
@@ -140,9 +175,9 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             if v < incumbent * (1 - 1e-9):
                 count += 1
                 heapq.heappush(heap, (v, count, child, xc))
-        log.append((lps, heap[0][0] if heap else incumbent, incumbent))
+        log.append((lps, heap[0][0] if heap else incumbent, incumbent, iters))
         if on_lp is not None:
-            on_lp(lps, log[-1][1], incumbent)
+            on_lp(lps, log[-1][1], incumbent, iters / max_iterations if max_iterations else None)
     bound = min(heap[0][0], incumbent) if heap else incumbent
     best_x = heap[0][3] if heap else None
     return Certificate(bound, root, lps, iters, time.perf_counter() - t0, stopped, best_x, log=log)

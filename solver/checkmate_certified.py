@@ -23,20 +23,32 @@ from remat.solver.guided import best_guided
 from remat.solver.relaxation import Relaxation
 from remat.core.simulator import simulate
 
-__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
-           "RELAXATION_MAX_NODES"]
+__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS", "ROOT_WORK_ROWS",
+           "ROOT_MIN_ITERATIONS", "RELAXATION_MAX_NODES",
+           "RELAXATION_MAX_VARIABLES"]
 
 PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
 
 
-WORK_FACTOR = 30  # the branch and bound's simplex iterations, at most, in root LPs' worth
+# the branch and bound's simplex iterations, at most, in root LPs' worth: on the transformers of
+# benchmarks/compare.py most of what branching proves comes in the first root LP's worth (HF
+# Llama, 564 nodes: gap 6.6% at the root, 1.5% at twice its iterations, 0.9% at 3.4 times; BERT:
+# 3.6%, 0.4%), and each LP costs seconds there
+WORK_FACTOR = 2
 WORK_ROWS = 6e9  # ... and at most WORK_ROWS / rows iterations (an iteration's cost grows with the rows)
 # Graphs over this size never get the whole step's relaxation (this search, and the lowest peak's):
 # it grows with nodes times the steps they live (Llama-3.2-1B's 1,825 nodes: 2.1M variables and
 # minutes; Mistral-7B's 3,601 at its smallest budget: over 16 GB before its first LP). The rows'
 # bound and plans (solver/peak_rows.py) answer there, with the gap they prove.
 RELAXATION_MAX_NODES = 1000
+# ... and a relaxation built over this many variables is not solved: its root LP alone would take
+# many minutes on one core. Below it the root LP can take minutes already (a 3-layer Gemma-2, 587
+# nodes: 151,598 variables, 99k simplex iterations; T5, 748 nodes: 180k, 82k), and it pays there:
+# T5's plan 6.49% extra where the rows' is 10.40%, Gemma-2's 5.53% where theirs is 5.96%
+RELAXATION_MAX_VARIABLES = 250_000
+ROOT_WORK_ROWS = 3e10  # the root LP's simplex iterations, at most ROOT_WORK_ROWS / rows ...
+ROOT_MIN_ITERATIONS = 100_000  # ... and never fewer than this (a root LP stopped so gives no bound)
 
 
 @dataclass
@@ -73,6 +85,11 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
     if rel.infeasible_at is not None:
         details["infeasible_row"] = graph.nodes[rel.infeasible_at].name
         return CertifiedResult(None, math.inf, math.inf, details)
+    if rel.model.num_vars > RELAXATION_MAX_VARIABLES:
+        details["certify_skipped"] = (f"the relaxation has {rel.model.num_vars} variables > {RELAXATION_MAX_VARIABLES}: "
+                                      "its root LP alone would take many minutes")
+        details["bound_source"] = "none: the whole step's relaxation was too large to solve"
+        return CertifiedResult(best[0], best[1], 0.0, details)
     cs = rel.cost_scale
     attempts = {"n": 0}
     plans_log: list = []
@@ -81,7 +98,7 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         if attempts["n"] > PLAN_ATTEMPTS and not force:
             return best[1] / cs
         attempts["n"] += 1
-        found = best_guided(graph, rel, x, budget)
+        found = best_guided(graph, rel, x, budget, search=attempts["n"] == 1 or force)
         if found is not None:
             sched, record = found
             cost = simulate(graph, sched).extra_cost
@@ -95,19 +112,29 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         max_iterations = int(max(20_000, WORK_ROWS / max(rel.model.num_rows, 1)))
     total = max(graph.total_cost, 1e-12)
 
-    def on_lp(lps, bound, incumbent) -> None:
+    def on_lp(lps, bound, incumbent, work) -> None:
         progress.advance(lps - progress_lps[0])
         progress_lps[0] = lps
         facts = {"bound": f"{100 * bound * cs / total:.3f}%"}
+        if work is not None:  # the search stops by the time this reaches 100% (or sooner: gap, stall)
+            facts["work"] = f"{100 * min(work, 1):.0f}% of its limit"
         if math.isfinite(incumbent):
             facts.update(incumbent=f"{100 * incumbent * cs / total:.3f}%",
                          gap=f"{100 * (incumbent - bound) / max(incumbent, 1e-12):.2f}%")
         progress.note(**facts)
 
     progress_lps = [0]
+    root_iterations = int(max(ROOT_MIN_ITERATIONS, ROOT_WORK_ROWS / max(rel.model.num_rows, 1)))
+
+    def on_simplex(iterations: int) -> None:  # within one LP: its simplex iterations so far
+        if progress_lps[0] == 0:
+            progress.note(root_lp_iterations=f"{iterations}/{root_iterations} max")
+        else:
+            progress.note(lp_iterations=iterations)
+
     cert = certify(rel, incumbent=best[1] / cs, target_gap=mip_gap, max_iterations=max_iterations,
                    work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution,
-                   on_lp=on_lp)
+                   on_lp=on_lp, root_iterations=root_iterations, on_simplex=on_simplex)
     if cert.infeasible:
         details["infeasible_row"] = None
         return CertifiedResult(None, math.inf, math.inf, details)
@@ -117,6 +144,12 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
     details["certify"] = {"root_bound": safe_bound(rel, cert.root), "bound": bound, "lps": cert.lps,
                           "iterations": cert.iterations, "stopped_by": cert.stopped_by,
                           "s": round(cert.seconds, 3)}
+    if cert.stopped_by == "root LP limit":
+        details["bound_source"] = (f"none: the root LP of the relaxation stopped at its limit ({cert.iterations} "
+                                   "simplex iterations) before its optimum, so no bound is proven")
+    else:
+        details["bound_source"] = (f"LP relaxation of the fine graph ({len(rel.groups)} groups, sitting states "
+                                   f"between their active rows), branch and bound on class sums ({cert.lps} LPs)")
     details["guided_plans"] = plans_log
     details["plan_source"] = best[2]
     details["certified_s"] = round(time.perf_counter() - t0, 3)

@@ -5,30 +5,38 @@ row. `schedule_from_live` turns that into a schedule: the graph's nodes in order
 after every row where the relaxation keeps it live below a threshold, and any input that is not
 live recomputed (recursively) right before the step that reads it. LP solutions are fractional, so
 several thresholds give several plans. `fit` drops more values where the simulated peak is over
-the budget, `best_guided` refines every plan that fits (solver/refine.py) and keeps the cheapest.
+the budget, `best_guided` refines the cheapest plans that fit (solver/refine.py) and keeps the best.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from remat.core.training_graph import TrainingGraph
+from remat.solver.keep_more import keep_more
 from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.relaxation import SAFETY, Relaxation
 from remat.core.simulator import simulate
 
-__all__ = ["schedule_from_live", "drops_at", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS"]
+__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS", "REFINED"]
 
 THRESHOLDS = (0.9, 0.5)
+REFINED = 2  # candidate schedules of one LP solution that best_guided refines: the cheapest
 
 
-def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool = True) -> list[str]:
+def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool = True,
+                       before: list[list[int]] | None = None, sticky: bool = False) -> list[str]:
     """The schedule that computes the nodes in order, forgets after row t every value in
-    drops[t] (index of a recomputable node), and recomputes a forgotten input right before the
-    step that reads it (its own forgotten inputs first); unread instances pruned if `prune`."""
+    drops[t] (index of a recomputable node), recomputes before row t the values in before[t]
+    (if given), and recomputes a forgotten input right before the step that reads it (its own
+    forgotten inputs first); unread instances pruned if `prune`. sticky: a value computed again
+    in the backward is not forgotten again (it lives to its last read: recomputing it once per
+    read would cost more than the memory it holds where memory is plentiful)."""
     nodes, idx = graph.nodes, graph.index
     inputs = [[idx[i] for i in v.inputs] for v in nodes]
     valid = [False] * len(nodes)
+    again = [False] * len(nodes)  # computed again in the backward
     sched: list[str] = []
+    backward = [False]
 
     def ensure(u: int) -> None:
         stack = [(u, False)]
@@ -39,32 +47,105 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
             if ready:
                 sched.append(nodes[w].name)
                 valid[w] = True
+                again[w] = backward[0]
                 continue
             stack.append((w, True))
             stack.extend((i, False) for i in inputs[w] if not valid[i])
 
     for t, v in enumerate(nodes):
+        backward[0] = sticky and v.is_backward
+        for u in (before[t] if before else ()):
+            if u < t:
+                valid[u] = False  # a new instance, computed here as the relaxation does
+                ensure(u)
         for i in inputs[t]:
             ensure(i)
         sched.append(v.name)
         valid[t] = True
         for u in drops[t]:
-            valid[u] = False
+            if not again[u]:
+                valid[u] = False
     return prune_unread(graph, sched) if prune else sched
+
+
+def recomputations_at(rel: Relaxation, x: np.ndarray, threshold: float) -> list[list[int]]:
+    """before[t]: the values the relaxation computes again in an interval that ends at row t
+    (above `threshold`), in graph order; one that ends at a sitting state: at the start of its
+    rows (its values are live over them)."""
+    before: list[set[int]] = [set() for _ in range(rel.n)]
+    for (u, b), col in rel.computed.items():
+        if b >= 0 and x[col] > threshold:
+            row = b if b < rel.n else rel.sitting_spans[b - rel.n][1]
+            before[row].add(u)
+    return [sorted(s) for s in before]
 
 
 def drops_at(rel: Relaxation, x: np.ndarray, threshold: float) -> list[set[int]]:
     """drops[t]: the recomputable values the relaxation keeps live after row t below `threshold`
     and computes again later above 1 - threshold (a value is dropped when any of its parts is)."""
     drops: list[set[int]] = [set() for _ in range(rel.n)]
-    for (u, k, t), col in rel.L.items():
-        c = rel.C.get((u, t))  # not needed there unless C: the relaxation need not keep it
-        if rel.rec[u] and x[col] < threshold and c is not None and x[c] > 1 - threshold:
-            drops[t if t < rel.n else rel.sit[t - rel.n][0] - 1].add(u)  # a sitting state: from its start
+    for (u, k, t), col in rel.live.items():
+        if not rel.recomputable[u] or x[col] >= threshold:
+            continue
+        row = t if t < rel.n else rel.sitting_spans[t - rel.n][1] - 1  # a sitting state: from its start
+        c = rel.again.get((u, t))  # needed later, not live: computed again (a forward row need not keep
+        # what only the backward reads, so without C it stays); read by no first computation: gone
+        if c is not None and x[c] > 1 - threshold or rel.last_read[u][k] <= row:
+            drops[row].add(u)
     return drops
 
 
-def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: int = 60) -> list[str] | None:
+def threshold_search(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: int, with_r: bool,
+                     steps: int = 12, sticky: bool = False, keep_trials: int = 60) -> list[str] | None:
+    """The schedule of drops_at at the least threshold whose schedule fits `budget`, found by
+    bisection (a lower threshold drops less: cheaper, more memory). Values the relaxation keeps
+    equally (identical blocks keep the same fraction of the same tensor) are told apart by their
+    recomputation cost per byte, so that the threshold passes through them one class at a time
+    instead of dropping or keeping a tensor in every block at once."""
+    g = graph.nodes
+    density = sorted({g[u].cost / max(g[u].out_bytes, 1) for u in range(rel.n) if rel.recomputable[u]})
+    rank = {d: i / max(len(density) - 1, 1) for i, d in enumerate(density)}
+    entries = []
+    for (u, k, t), col in rel.live.items():
+        if not rel.recomputable[u]:
+            continue
+        row = t if t < rel.n else rel.sitting_spans[t - rel.n][1] - 1
+        c = rel.again.get((u, t))
+        score = float(x[col]) + 1e-3 * rank[g[u].cost / max(g[u].out_bytes, 1)]
+        entries.append((score, u, row, None if c is None else float(x[c]), rel.last_read[u][k] <= row))
+
+    def drops_for(th: float) -> tuple[list[set[int]], list[list[int]] | None]:
+        drops: list[set[int]] = [set() for _ in range(rel.n)]
+        for score, u, row, c, unread in entries:
+            if score < th and (unread or c is not None and c > 1 - th):
+                drops[row].add(u)
+        return drops, (recomputations_at(rel, x, min(th, 0.5)) if with_r else None)
+
+    best = None
+    lo, hi = 0.0, 1.0 + 2e-3
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        drops, before = drops_for(mid)
+        sched = schedule_from_live(graph, drops, before=before, sticky=sticky)
+        sim = simulate(graph, sched)
+        if sim.peak_bytes <= budget:
+            if best is None or sim.extra_cost < best[2]:
+                best = (drops, before, sim.extra_cost)
+            hi = mid
+        else:
+            lo = mid
+    if best is None:
+        return None
+    drops, before, _ = best
+    _, sched = keep_more(graph, drops, budget,
+                         lambda d: schedule_from_live(graph, d, before=before, sticky=sticky),
+                         lambda d: fit(graph, d, budget, max_rounds=20, before=before, sticky=sticky, with_drops=True),
+                         max_trials=keep_trials)
+    return sched
+
+
+def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: int = 60,
+        before: list[list[int]] | None = None, sticky: bool = False, with_drops: bool = False):
     """Drop more values until the schedule fits `budget`. Each round simulates the schedule once
     and, at every step over the budget, forgets the live forward values with the least
     recomputation cost per byte, enough of them to cover that step's excess, after the last first
@@ -75,10 +156,11 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
     inputs = [{idx[i] for i in v.inputs} for v in nodes]
     drops = [set(d) for d in drops]
     for _ in range(max_rounds):
-        sched = schedule_from_live(graph, drops, prune=False)
+        sched = schedule_from_live(graph, drops, prune=False, before=before, sticky=sticky)
         sim = simulate(graph, sched)
         if sim.peak_bytes <= budget:
-            return prune_unread(graph, sched)
+            sched = prune_unread(graph, sched)
+            return (drops, sched) if with_drops else sched
         frees = last_reads(graph, sched)
         live: set[int] = set()
         row, grew = -1, False
@@ -107,26 +189,39 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
 
 
 def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: int,
-                thresholds=THRESHOLDS) -> tuple[list[str], dict] | None:
+                thresholds=THRESHOLDS, search: bool = True) -> tuple[list[str], dict] | None:
     """The cheapest refined plan over the thresholds (each made to fit first), with a record of
-    what each threshold gave; None when none could be made to fit."""
-    best, record = None, {}
+    what each gave before refining; None when none could be made to fit. search: also the
+    schedules of threshold_search (the slower part: the caller asks for it on its first and last
+    solutions). Only the REFINED cheapest distinct schedules are refined: refining is most of the
+    time here (seven candidates per solution), and it seldom reorders them."""
+    record, cands = {}, {}
+    for with_r, sticky in ((True, False), (False, False), (False, True)) if search else ():
+        sched = threshold_search(graph, rel, x, budget, with_r, sticky=sticky)
+        if sched is not None:
+            cost = record[f"bisect{'R' if with_r else ''}{'S' if sticky else ''}"] = simulate(graph, sched).extra_cost
+            cands.setdefault(tuple(sched), cost)
     seen = set()
-    for th in thresholds:
+    for th, with_r in [(th, w) for th in thresholds for w in (True, False)]:
         drops = drops_at(rel, x, th)
-        key = tuple(frozenset(d) for d in drops)
+        before = recomputations_at(rel, x, th) if with_r else None
+        key = (tuple(frozenset(d) for d in drops), None if before is None else tuple(map(tuple, before)))
         if key in seen:
             continue
         seen.add(key)
-        sched = fit(graph, drops, budget)
-        if sched is None:
-            record[th] = None
-            continue
-        sched = drop_recomputations(graph, sched, budget)
-        sim = simulate(graph, sched)
-        record[th] = sim.extra_cost
-        if best is None or sim.extra_cost < best[1]:
-            best = (sched, sim.extra_cost)
+        sched = fit(graph, drops, budget, before=before)
+        label = f"{th}{'R' if with_r else ''}"
+        record[label] = None if sched is None else simulate(graph, sched).extra_cost
+        if sched is not None:
+            cands.setdefault(tuple(sched), record[label])
+    best = None
+    for sched, _ in sorted(cands.items(), key=lambda kv: kv[1])[:REFINED]:
+        sched = drop_recomputations(graph, list(sched), budget)
+        cost = simulate(graph, sched).extra_cost
+        if best is None or cost < best[1]:
+            best = (sched, cost)
+    if best is not None:
+        record["refined"] = best[1]
     return (best[0], record) if best else None
 
 

@@ -32,14 +32,22 @@ The extra cost is at least sum c_u R. So the LP of the model, and any MILP bound
 bound on the optimum, on the fine graph (no coarsening is involved). tests/test_solver_scale.py
 maps real schedules onto the model (bounds.point_of_schedule) and checks every row holds.
 
-Scaling (a model that grows linearly with depth): forward values are split into groups (contiguous
-runs of the forward order, ending at articulation points). A group is modelled row by row only
-while the forward computes and reads it and around the backward rows that read it (its *runs*).
-In between (its *sitting* period) no first computation reads it, and it is modelled by one state S
-counted at every sitting row, with only its own closure. That is exact for the relaxation that
-drops, at sitting rows, the closure between groups: with the needs constant over the period, any
-solution can replace the group's states there by the state of its row of least memory (no row gets
-more memory, no recomputation is added). bounds.point_of_schedule does exactly that.
+Scaling (a model that grows linearly with depth): forward values are split into groups:
+contiguous runs of the forward order ending after a `forward_cuts` value (the only value the rest
+of the forward reads: the residual stream between blocks), and apart, the long-lived values
+(`long_lived`: rotary tables, masks, long skips, read by every block) with what only they read,
+which would otherwise tie every group's chain to theirs. A group is modelled row by row only
+around the rows that compute or read it (its *runs*: its own rows, and for each read the row
+before and the row itself). In each gap between runs no first computation reads it, and it is
+modelled by *sitting* states, each counted at every row it spans, with only its own closure; every
+group's gaps are split at the same rows (where the backward starts, where each group's part of the
+backward begins and ends), so that a recomputation in one group's sitting interval reads another
+group's state over the same rows (its "twin"). That is exact for the relaxation that drops, at
+sitting rows, the closure between groups: with the needs constant over the gap, any solution can
+replace the group's states there by the state of its row of least memory (no row gets more
+memory, no recomputation is added); bounds.point_of_schedule does exactly that, one row for the
+twins together. Llama-3.2-1B-like (1,825 nodes): 148k variables, where one state per node and
+row it lives would be 2.1M.
 """
 from __future__ import annotations
 
@@ -50,7 +58,7 @@ from remat.core.training_graph import TrainingGraph
 from remat.solver.relaxation_rows import build_rows
 from remat.solver.sparse_lp import SparseModel
 
-__all__ = ["Relaxation", "group_ranges", "SAFETY"]
+__all__ = ["Relaxation", "group_ranges", "forward_cuts", "long_lived", "groups_of", "SAFETY", "MIN_SIT"]
 
 SAFETY = 1e-7  # relative margin taken off every bound: HiGHS's tolerances
 
@@ -66,19 +74,55 @@ def _parts_read(u, reader: str) -> list[int]:
     return hit or list(range(len(u.out_parts)))
 
 
-def group_ranges(graph: TrainingGraph, target: int = 20) -> list[tuple[int, int]]:
-    """Contiguous ranges [lo, hi) of node indices covering the forward: split after articulation
-    points of the forward graph (values the rest of the forward reads only through), once a range
-    holds at least `target` nodes."""
-    from remat.solver.equal_spacing import checkpoint_candidates
+def long_lived(graph: TrainingGraph, span: int) -> set[str]:
+    """Forward values whose forward readers reach at least `span` forward nodes past them: tables
+    every block reads (rotary cos/sin, an attention mask, positions), long skip connections."""
+    fwd = {v.name: i for i, v in enumerate(graph.forward_nodes)}
+    out = set()
+    for name, i in fwd.items():
+        last = max((fwd[r] for r in graph.users[name] if r in fwd), default=i)
+        if last - i >= span:
+            out.add(name)
+    return out
 
+
+def forward_cuts(graph: TrainingGraph, span: int = 40) -> list[str]:
+    """Recomputable forward values v that are the only value crossing the forward order after v
+    (every value computed up to v that a later forward node reads is v itself), long-lived values
+    set aside: the residual stream between blocks, also where every block reads the same rotary
+    tables or mask (which leave the graph with no such point otherwise). A value that only some
+    leaf reads (BatchNorm's statistics read its output) does not make it one."""
+    fwd = graph.forward_nodes
+    pos = {v.name: i for i, v in enumerate(fwd)}
+    hubs = long_lived(graph, span)
+    last = [i for i in range(len(fwd))]  # last forward reader of each forward value
+    for i, v in enumerate(fwd):
+        if v.name in hubs:
+            continue
+        for r in graph.users[v.name]:
+            if r in pos:
+                last[i] = max(last[i], pos[r])
+    out, reach = [], -1  # reach: the furthest forward read of any value before i
+    for i, v in enumerate(fwd):
+        if reach <= i and v.recomputable:
+            out.append(v.name)
+        reach = max(reach, last[i])
+    return out
+
+
+def group_ranges(graph: TrainingGraph, target: int = 20) -> list[tuple[int, int]]:
+    """Contiguous ranges [lo, hi) of node indices covering the forward: split after the values
+    of `forward_cuts` (values the rest of the forward reads only through, besides long-lived
+    ones), once a range holds at least `target` nodes; a stretch of 4 * target forward nodes
+    without one is split anyway (any split is sound: the cuts only make the bound tighter)."""
     fwd = [i for i, v in enumerate(graph.nodes) if not v.is_backward]
     if not fwd:
         return []
-    cut = {graph.index[c] for c in checkpoint_candidates(graph)}
+    cut = {graph.index[c] for c in forward_cuts(graph, 2 * target)}
     out, lo = [], fwd[0]
     for i in fwd:
-        if i in cut and i + 1 - lo >= target:
+        # of consecutive cuts (an add, then its ReLU) the last: the value the backward reads
+        if i in cut and i + 1 not in cut and i + 1 - lo >= target or i + 1 - lo >= 4 * target:
             out.append((lo, i + 1))
             lo = i + 1
     if lo <= fwd[-1]:
@@ -86,16 +130,64 @@ def group_ranges(graph: TrainingGraph, target: int = 20) -> list[tuple[int, int]
     return out
 
 
+
+def groups_of(graph: TrainingGraph, target: int = 20, dense: bool = False) -> list[list[int]]:
+    """The forward nodes (indices) of each group, ascending: the ranges of group_ranges, and
+    apart the long-lived values with what only they read (rotary tables, masks: read by every
+    block, they would tie every group's chain to theirs); dense: one group."""
+    fwd = [i for i, v in enumerate(graph.nodes) if not v.is_backward]
+    if dense or not fwd:
+        return [fwd] if fwd else []
+    idx = graph.index
+    hubs = {idx[h] for h in long_lived(graph, 2 * target)}
+    pos = set(fwd)
+    for i in reversed(fwd):  # what feeds only hubs is part of them
+        users = [idx[r] for r in graph.users[graph.nodes[i].name] if idx[r] in pos]
+        if users and i not in hubs and all(r in hubs for r in users):
+            hubs.add(i)
+    out = [[v for v in range(lo, hi) if v in pos and v not in hubs] for lo, hi in group_ranges(graph, target)]
+    out = [m for m in out if m]
+    if hubs:
+        out.append(sorted(hubs))
+    return out
+
+MIN_SIT = 2  # a gap of fewer rows between a group's active rows is modelled row by row
+
+
+def _active(lo: int, hi: int, reads: list[int]) -> set[int]:
+    """A group's own rows lo..hi-1 and, for every row r reading one of its values, r - 1 and r
+    (the interval in which a recomputation for that read runs)."""
+    return {*range(lo, hi), *(r for r in reads if r >= lo), *(r - 1 for r in reads if r - 1 >= lo)}
+
+
+def _runs(active: set[int]) -> list[tuple[int, int]]:
+    """The rows of `active` as runs [a, b], gaps of fewer than MIN_SIT rows filled in."""
+    rows = sorted(active)
+    runs = [[rows[0], rows[0]]]
+    for t in rows[1:]:
+        if t - runs[-1][1] - 1 < MIN_SIT:
+            runs[-1][1] = t
+        else:
+            runs.append([t, t])
+    return [tuple(r) for r in runs]
+
+
 class Relaxation:
     """The relaxation of one graph under one budget (see the module docstring). States are rows
-    0..n-1 and one sitting state n + g per group g; L, C, D are keyed by state, R by the state that
-    ends its interval (-1: after the last state); `interval[(u, b)]` is that interval (a, b)."""
+    0..n-1 and the sitting states n + j (`sitting_spans[j]`: its group and rows, one per gap
+    between the rows a group is modelled at). The model's columns, named after the module
+    docstring's letters: `live` L[u,k,t] (keyed (u, k, state)), `again` C[u,t] and `deadline`
+    D[u,t] (keyed (u, state)), `computed` R[u,I] (keyed (u, the state that ends I), -1: after the
+    last state; `interval[(u, b)]` is that interval (a, b)), `carried` per row the memory carried
+    through a recomputation before it. `part_bytes[u][k]`, `readers[u][k]` (nodes reading part k of
+    u), `last_read[u][k]`, `recomputable[u]`, `group_of[u]` (-1: not in a group), `forward_end` (the
+    forward's last row)."""
 
     def __init__(self, graph: TrainingGraph, budget: int | None, *, dense: bool | None = None, group_target: int = 20,
                  fwd_reads_only: bool | None = None, transients: bool = True):
         """budget None: the model of the smallest peak (every memory row at most a variable P, the
         objective; recomputation is free), for a lower bound on any schedule's peak."""
-        self.g = graph
+        self.graph = graph
         self.budget_given = budget is not None
         if budget is None:
             from remat.solver.schedule import keep_all_schedule
@@ -112,87 +204,147 @@ class Relaxation:
         self.cost_scale = max(graph.total_cost / 1e4, 1e-12)
         self.mem_scale = max(budget / 1e4, 1.0)
         self.infeasible_at: int | None = None
-        self.L: dict = {}
-        self.C: dict = {}
-        self.D: dict = {}
-        self.R: dict = {}
+        self.live: dict = {}  # (u, k, state) -> L column
+        self.again: dict = {}  # (u, state) -> C column
+        self.deadline: dict = {}  # (u, state) -> D: the row of the read C is for
+        self.computed: dict = {}  # (u, state ending the interval) -> R column
         self.interval: dict = {}
-        self.sitting: dict = {}  # group -> (first sitting row, last sitting row, M column, [(col, bytes)])
-        self.W: dict = {}  # row -> (W column, [(y column or None, u, k, read at t)])
+        self.sitting: dict = {}  # sitting id j -> (first row, last row, M column, [(col, bytes)])
+        self.carried: dict = {}  # row -> (carried-memory column W, [(y column or None, u, k, read at t)])
+        self.depends_done: set = set()  # R columns whose dependency rows are built
+        self.R_of: dict = {}  # R column -> (u, b)
+        self.pending: list = []  # R columns whose dependency rows are still to build
+        self.memory_rows: list = []  # the memory row of each row t (model row indices)
+        self.transient_rows: list = []  # the rows bounding memory while a value is recomputed
         self._prep(group_target)
         build_rows(self)
 
     # ---- data -------------------------------------------------------------------------------------
     def _prep(self, group_target: int) -> None:
-        g = self.g
+        g = self.graph
         nodes, idx, n = g.nodes, g.index, self.n
-        self.P = [_parts(v) for v in nodes]
-        self.rec = [v.recomputable for v in nodes]
+        self.part_bytes = [_parts(v) for v in nodes]
+        self.recomputable = [v.recomputable for v in nodes]
         self.reads = [[] for _ in range(n)]  # v -> [(u, k)]: the parts it reads
-        self.rd = [[[] for _ in p] for p in self.P]  # (u, k) -> rows reading it, ascending
+        self.readers = [[[] for _ in p] for p in self.part_bytes]  # (u, k) -> rows reading it, ascending
         for v, node in enumerate(nodes):
             for i in node.inputs:
                 u = idx[i]
                 for k in _parts_read(nodes[u], node.name):
                     self.reads[v].append((u, k))
-                    self.rd[u][k].append(v)
-        self.lastrd = [[max(r) if r else -1 for r in rs] for rs in self.rd]
+                    self.readers[u][k].append(v)
+        self.last_read = [[max(r) if r else -1 for r in rs] for rs in self.readers]
+        # a part is modelled (hold) until its last read or the last read of any value computed
+        # from it (recomputable, in the forward): a reader recomputed later reads it then, and
+        # its chain of states must say whether it was kept until then or computed again
+        last_any = [max(lr, default=-1) for lr in self.last_read]
+        desc = list(last_any)  # the latest read of u or of any recomputable value computed from u
+        for u in range(n - 1, -1, -1):
+            if self.recomputable[u]:
+                for rs in self.readers[u]:
+                    for v in rs:
+                        if self.recomputable[v] and desc[v] > desc[u]:
+                            desc[u] = desc[v]
+        self.hold = [[max([lr] + [desc[v] for v in self.readers[u][k] if self.recomputable[v]]) if self.recomputable[u] else lr
+                      for k, lr in enumerate(self.last_read[u])] for u in range(n)]
         fwd = [i for i, v in enumerate(nodes) if not v.is_backward]
-        self.E = fwd[-1] if fwd and len(fwd) < n else n - 1  # the forward's last row
-        ranges = [(0, self.E + 1)] if self.dense else group_ranges(g, group_target)
-        self.grp = [-1] * n
-        for gi, (lo, hi) in enumerate(ranges):
-            for v in range(lo, hi):
-                if not nodes[v].is_backward:
-                    self.grp[v] = gi
-        self.groups = ranges
-        self.members = [[v for v in range(lo, hi) if self.grp[v] == gi] for gi, (lo, hi) in enumerate(ranges)]
+        self.forward_end = fwd[-1] if fwd and len(fwd) < n else n - 1  # the forward's last row
+        self.members = groups_of(g, group_target, self.dense)
+        self.group_of = [-1] * n
+        for gi, mem in enumerate(self.members):
+            for v in mem:
+                self.group_of[v] = gi
+        self.groups = [(mem[0], mem[-1] + 1) for mem in self.members]
         self.runs: list[list[tuple[int, int]]] = []
-        self.sit: list[tuple[int, int] | None] = []  # group -> its sitting rows [a, b], if any
-        for gi, (lo, hi) in enumerate(ranges):
-            reads = [r for u in self.members[gi] for rs in self.rd[u] for r in rs]
-            fr = [r for r in reads if not nodes[r].is_backward]
-            br = [r for r in reads if nodes[r].is_backward]
-            runs = [(lo, max([hi - 1] + fr))]
-            if br:
-                runs.append((max(min(br) - 1, lo), max(br)))
-            if self.dense or len(runs) == 2 and runs[1][0] <= runs[0][1] + 1:
-                runs = [(lo, max([hi - 1] + fr + br))]
-            self.runs.append(runs)
-            self.sit.append((runs[0][1] + 1, runs[1][0] - 1) if len(runs) == 2 else None)
+        self.sitting_spans: list[tuple[int, int, int]] = []  # sitting state n + j -> (group, first row, last row)
+        self.chain_prev: dict = {}  # (group, state) -> previous state in the group's chain
+        self.chain_next: dict = {}
+        self.chain_last: dict = {}
+        for mem in self.members:
+            reads = [r for u in mem for rs in self.readers[u] for r in rs]
+            lo, hi = mem[0], mem[-1] + 1
+            self.runs.append([(lo, max([hi - 1] + reads))] if self.dense else _runs(_active(lo, hi, reads)))
+        # Every gap is split at the same rows: where the backward starts and where each group's
+        # own part of the backward (its runs after the forward) begins and ends. A recomputation
+        # of one group's value in a sitting interval of its chain reads another group's values;
+        # with the same splits the other group sits over the same rows ("twins", standing for
+        # the same row in point_of_schedule), so its dependency row reads the other group's
+        # state there, and that state's memory counts over the rows before it.
+        cuts = {self.forward_end + 1}
+        for runs in self.runs:
+            back = [(a, b) for a, b in runs if b > self.forward_end]
+            if back:
+                cuts |= {max(back[0][0], self.forward_end + 1), back[-1][1] + 1}
+        splits = sorted(cuts)
+        for gi, runs in enumerate(self.runs):
+            states = list(range(runs[0][0], runs[0][1] + 1))
+            for (_, end), (a, b) in zip(runs, runs[1:]):  # a gap: sitting states
+                lo = end + 1
+                for p in splits[bisect.bisect_right(splits, lo):bisect.bisect_right(splits, a - 1)]:
+                    self.sitting_spans.append((gi, lo, p - 1))
+                    states.append(n + len(self.sitting_spans) - 1)
+                    lo = p
+                self.sitting_spans.append((gi, lo, a - 1))
+                states.append(n + len(self.sitting_spans) - 1)
+                states += list(range(a, b + 1))
+            for a, b in zip(states, states[1:]):
+                self.chain_prev[gi, b] = a
+                self.chain_next[gi, a] = b
+            self.chain_last[gi] = states[-1]
+        self.chain = []  # group -> its states in order
+        for gi in range(len(self.members)):
+            first = self.runs[gi][0][0]
+            states = [first]
+            while (gi, states[-1]) in self.chain_next:
+                states.append(self.chain_next[gi, states[-1]])
+            self.chain.append(states)
+        self.twin: dict = {}  # (group, span) -> its sitting state over exactly those rows
+        for j, (gi, a, b) in enumerate(self.sitting_spans):
+            self.twin[gi, a, b] = n + j
+        self.chain_pos = [{s: i for i, s in enumerate(ch)} for ch in self.chain]
+        self.chain_lo = [[self.span(s)[0] for s in ch] for ch in self.chain]
+        self.chain_hi = [[self.span(s)[1] for s in ch] for ch in self.chain]
         self.run_at = [[] for _ in range(n)]  # row -> groups modelled in detail there
         for gi, runs in enumerate(self.runs):
             for a, b in runs:
                 for t in range(a, b + 1):
                     self.run_at[t].append(gi)
-        self.chain_prev: dict = {}  # (group, state) -> previous state in the group's chain
-        self.chain_next: dict = {}
-        self.chain_last: dict = {}
-        for gi, runs in enumerate(self.runs):
-            states = list(range(runs[0][0], runs[0][1] + 1))
-            if self.sit[gi] is not None:
-                states.append(n + gi)
-            if len(runs) == 2:
-                states += list(range(runs[1][0], runs[1][1] + 1))
-            for a, b in zip(states, states[1:]):
-                self.chain_prev[gi, b] = a
-                self.chain_next[gi, a] = b
-            self.chain_last[gi] = states[-1]
+
+    def span(self, s: int) -> tuple[int, int]:
+        """The first and last row a state may stand for (a sitting state: any row of its gap)."""
+        return (s, s) if s < self.n else self.sitting_spans[s - self.n][1:]
+
+    def covering(self, gi: int, a: int, b: int):
+        """(s0, [states after s0 up to s1]) of group gi's chain, so that a computation in the
+        interval (a, b] of another group's chain falls in one of gi's intervals from s0 to s1:
+        s0 is gi's sitting state over exactly a's rows if a is a sitting state and gi has one
+        (both stand for the same row), else gi's last state standing for a row at or before any
+        row a stands for; s1 likewise for b (gi's first state at or after b's rows). None if
+        the chain has no such states."""
+        chain = self.chain[gi]
+        pos = self.chain_pos[gi]
+        t0 = self.twin.get((gi, *self.span(a))) if a >= self.n else None
+        i0 = pos[t0] if t0 is not None else bisect.bisect_right(self.chain_hi[gi], self.span(a)[0]) - 1
+        t1 = self.twin.get((gi, *self.span(b))) if b >= self.n else None
+        i1 = pos[t1] if t1 is not None else bisect.bisect_left(self.chain_lo[gi], self.span(b)[1])
+        if i0 < 0 or i1 >= len(chain) or i1 <= i0:
+            return None
+        return chain[i0], chain[i0 + 1:i1 + 1]
 
     def _next_read(self, u: int, k: int, t: int) -> int:
         """The first row after t that reads part k of u."""
-        rs = self.rd[u][k]
+        rs = self.readers[u][k]
         return rs[bisect.bisect_right(rs, t)]
 
     def _start(self, s: int) -> int:
         """The row a state stands for, as an interval start (a sitting state: its first row)."""
-        return s if s < self.n else self.sit[s - self.n][0]
+        return s if s < self.n else self.sitting_spans[s - self.n][1]
 
     def _bases(self) -> list[int]:
         """Per row: resident (tangents from the backward on, until their last reader), and kept
         outputs computed before the row (forward-kept ones gone once the simulator frees them at
         the latest)."""
-        g, nodes, n, E = self.g, self.g.nodes, self.n, self.E
+        g, nodes, n, E = self.graph, self.graph.nodes, self.n, self.forward_end
         delta = [0] * (n + 2)  # changes taking effect from row i on
         delta[0] += g.resident_bytes - sum(b for b, _ in g.tangents)
         for b, readers in g.tangents:

@@ -9,45 +9,48 @@ __all__ = ["build_rows"]
 
 def build_rows(rel) -> None:
     """Build every variable and row of `rel` (a Relaxation whose data is prepared)."""
-    m, n, nodes = rel.model, rel.n, rel.g.nodes
-    rec, P, lastrd, grp = rel.rec, rel.P, rel.lastrd, rel.grp
+    m, n, nodes = rel.model, rel.n, rel.graph.nodes
+    rec, P, lastrd, grp = rel.recomputable, rel.part_bytes, rel.last_read, rel.group_of
     ms = rel.mem_scale
     bases = rel._bases()
     carry: dict = {}  # (group, state) -> {u: deadline the state's C must reach}
-    closing = [[] for _ in range(n + 1)]
+    closing = [[] for _ in range(n + 1)]  # parts whose modelled life ends at a row
+    nonrec_closing = [[] for _ in range(n + 1)]
     open_by_group: dict = {}
     nonrec_open = 0  # bytes of non-recomputable parts some first computation at or after t reads
-    sitting_at = [[] for _ in range(n)]
-    for gi, s in enumerate(rel.sit):
-        if s is not None:
-            for t in range(s[0], s[1] + 1):
-                sitting_at[t].append(gi)
+    sitting_at = [[] for _ in range(n)]  # row -> sitting states (their ids j) covering it
+    for j, (_, a, b) in enumerate(rel.sitting_spans):
+        for t in range(a, b + 1):
+            sitting_at[t].append(j)
+    hold = rel.hold
     for t in range(n):
         if t:
             u = t - 1
             for k, b in enumerate(P[u]):
-                if lastrd[u][k] >= t:
-                    closing[lastrd[u][k]].append((u, k))
+                if hold[u][k] >= t:
+                    closing[hold[u][k]].append((u, k))
                     if grp[u] >= 0:
                         open_by_group.setdefault(grp[u], set()).add((u, k))
-                    if not rec[u]:
-                        nonrec_open += b
+                if not rec[u] and lastrd[u][k] >= t:
+                    nonrec_open += b
+                    nonrec_closing[lastrd[u][k]].append(b)
             for (u, k) in closing[t - 1]:
                 if grp[u] >= 0:
                     open_by_group[grp[u]].discard((u, k))
-                if not rec[u]:
-                    nonrec_open -= P[u][k]
-        for gi in sitting_at[t]:
-            if rel.sit[gi][0] == t:
-                _sitting_state(rel, gi, t, open_by_group.get(gi, set()), carry)
+            nonrec_open -= sum(nonrec_closing[t - 1])
+        for j in sitting_at[t]:
+            gi, a, _ = rel.sitting_spans[j]
+            if a == t:
+                _sitting_state(rel, j, t, open_by_group.get(gi, set()), carry)
         det = set(rel.run_at[t])
         read_t = set(rel.reads[t])
         Lt = _row_state(rel, t, det, open_by_group, carry)
         fixed = bases[t] + nodes[t].out_bytes + nodes[t].kept_bytes + nodes[t].workspace_bytes
         fixed += nonrec_open + sum(P[u][k] for u, k in read_t if rec[u])
         terms = [(col, P[u][k] / ms) for (u, k), col in Lt.items() if (u, k) not in read_t]
-        sits = [rel.sitting[gi][2] for gi in sitting_at[t] if gi in rel.sitting]
+        sits = [rel.sitting[j][2] for j in sitting_at[t]]
         terms += [(col, 1.0) for col in sits]
+        rel.memory_rows.append(m.num_rows)
         if rel.peak is not None:  # the peak's model: every row at most the variable P
             m.row(terms + [(rel.peak, -1.0)], hi=-fixed / ms)
         else:
@@ -65,29 +68,38 @@ def build_rows(rel) -> None:
                         [(u, R) for u, R in ends if rel.interval[u, t][0] == t - 1])
         for gi in det:
             _carry(rel, gi, t, carry)
+    for col in rel.pending:
+        _depend(rel, col)
     for gi in range(len(rel.groups)):  # a computation after the last state still costs
         last = rel.chain_last[gi]
         for u in rel.members[gi]:
-            c = rel.C.get((u, last))
+            c = rel.again.get((u, last))
             if c is not None:
                 R = _R(rel, u, last, -1)
                 m.row([(c, 1.0), (R, -1.0)], hi=0.0)
 
 
 def _R(rel, u: int, a: int, b: int) -> int:
-    """The variable 'u is computed in the interval (a, b]', costing c_u in the objective."""
-    cost = 0.0 if rel.peak is not None else rel.g.nodes[u].cost / rel.cost_scale
+    """The variable 'u is computed in the interval (a, b]', costing c_u in the objective (made
+    once: a dependency may have made it before the link between a and b is built)."""
+    col = rel.computed.get((u, b))
+    if col is not None:
+        assert rel.interval[u, b] == (a, b)
+        return col
+    cost = 0.0 if rel.peak is not None else rel.graph.nodes[u].cost / rel.cost_scale
     col = rel.model.var(0.0, 1.0, cost=cost, integral=True)
-    rel.R[u, b] = col
+    rel.computed[u, b] = col
+    rel.R_of[col] = (u, b)
     rel.interval[u, b] = (a, b)
     return col
 
 
-def _state(rel, s: int, need_rec: list, cset: set, seeds: dict, within: set, t: int) -> dict:
+def _state(rel, s: int, need_rec: list, cset: set, seeds: dict, within: set, t: int, held: list = ()) -> dict:
     """Variables and need/closure rows of state s: need_rec parts live or C; C for cset with
     deadlines (readers' deadlines propagate to their inputs; seeds carried from the previous
-    state); closure to inputs whose group is in `within`. Returns {(u, k): L column}."""
-    m, rec, grp, lastrd = rel.model, rel.rec, rel.grp, rel.lastrd
+    state); closure to inputs whose group is in `within`; an L for each `held` part (modelled,
+    not needed: its chain of keep rows goes on). Returns {(u, k): L column}."""
+    m, rec, grp, lastrd = rel.model, rel.recomputable, rel.group_of, rel.last_read
     D = dict(seeds)
     for (u, k) in need_rec:
         D[u] = max(D.get(u, 0), rel._next_read(u, k, t))
@@ -100,27 +112,29 @@ def _state(rel, s: int, need_rec: list, cset: set, seeds: dict, within: set, t: 
     def L(u, k):
         col = Ls.get((u, k))
         if col is None:
-            col = Ls[u, k] = rel.L[u, k, s] = m.var(0.0, 1.0, integral=True)
+            col = Ls[u, k] = rel.live[u, k, s] = m.var(0.0, 1.0, integral=True)
         return col
 
     for u, d in D.items():
-        rel.C[u, s] = m.var(0.0, 1.0)
-        rel.D[u, s] = d
+        rel.again[u, s] = m.var(0.0, 1.0)
+        rel.deadline[u, s] = d
+    for (u, k) in held:
+        L(u, k)
     for (u, k) in need_rec:
-        m.row([(L(u, k), 1.0), (rel.C[u, s], 1.0)], lo=1.0)
+        m.row([(L(u, k), 1.0), (rel.again[u, s], 1.0)], lo=1.0)
     for v in cset:
         for (u, k) in rel.reads[v]:
             if grp[u] not in within:
                 continue
             if rec[u]:
-                m.row([(rel.C[v, s], 1.0), (rel.C[u, s], -1.0), (L(u, k), -1.0)], hi=0.0)
+                m.row([(rel.again[v, s], 1.0), (rel.again[u, s], -1.0), (L(u, k), -1.0)], hi=0.0)
             elif lastrd[u][k] <= t:  # a non-recomputable part no later first computation holds
-                m.row([(rel.C[v, s], 1.0), (L(u, k), -1.0)], hi=0.0)
+                m.row([(rel.again[v, s], 1.0), (L(u, k), -1.0)], hi=0.0)
     return Ls
 
 
 def _closure(rel, roots, within: set) -> set:
-    rec, grp = rel.rec, rel.grp
+    rec, grp = rel.recomputable, rel.group_of
     cset, stack = set(), list(roots)
     while stack:
         u = stack.pop()
@@ -135,29 +149,35 @@ def _closure(rel, roots, within: set) -> set:
 
 def _row_state(rel, t: int, det: set, open_by_group: dict, carry: dict) -> dict:
     """Row t's state for the groups modelled in detail there (closure across them)."""
-    rec, lastrd = rel.rec, rel.lastrd
-    need_rec = [(u, k) for gi in det for (u, k) in open_by_group.get(gi, ()) if rec[u] and lastrd[u][k] > t]
-    if rel.fwd_reads_only and t <= rel.E:  # forward rows: only what the forward reads
-        need_rec = [(u, k) for u, k in need_rec if rel._next_read(u, k, t) <= rel.E]
+    rec, lastrd = rel.recomputable, rel.last_read
+    opened = [(u, k) for gi in det for (u, k) in open_by_group.get(gi, ()) if rec[u]]
+    need_rec = [(u, k) for u, k in opened if lastrd[u][k] > t]
+    if rel.fwd_reads_only and t <= rel.forward_end:  # forward rows: only what the forward reads
+        need_rec = [(u, k) for u, k in need_rec if rel._next_read(u, k, t) <= rel.forward_end]
     seeds: dict = {}
     for gi in det:
         seeds.update(carry.pop((gi, t), {}))
     cset = _closure(rel, [u for u, _ in need_rec], det)
-    return _state(rel, t, need_rec, cset, seeds, det, t)
+    needed = set(need_rec)
+    held = [(u, k) for u, k in opened if (u, k) not in needed]  # modelled, so no chain breaks
+    return _state(rel, t, need_rec, cset, seeds, det, t, held)
 
 
-def _sitting_state(rel, gi: int, t0: int, open_parts: set, carry: dict) -> None:
-    """The group's one state over its sitting rows, and the column M of its live bytes there."""
-    m, rec, P = rel.model, rel.rec, rel.P
-    s = rel.n + gi
-    need_rec = [(u, k) for (u, k) in open_parts if rec[u]]
+def _sitting_state(rel, j: int, t0: int, open_parts: set, carry: dict) -> None:
+    """Sitting state j: its group's one state over the sitting rows, and the column M of its live
+    bytes there."""
+    m, rec, P = rel.model, rel.recomputable, rel.part_bytes
+    gi, a0, b0 = rel.sitting_spans[j]
+    s = rel.n + j
+    need_rec = [(u, k) for (u, k) in open_parts if rec[u] and rel.last_read[u][k] >= t0]
+    held = [(u, k) for (u, k) in open_parts if rec[u] and rel.last_read[u][k] < t0]
     seeds = carry.pop((gi, s), {})
     cset = _closure(rel, [u for u, _ in need_rec], {gi})
-    Ls = _state(rel, s, need_rec, cset, seeds, {gi}, t0)
+    Ls = _state(rel, s, need_rec, cset, seeds, {gi}, t0, held)
     parts = [(col, P[u][k]) for (u, k), col in Ls.items()]
     M = m.var(0.0, sum(b for _, b in parts) / rel.mem_scale)
     m.row([(M, 1.0)] + [(col, -b / rel.mem_scale) for col, b in parts], lo=0.0)
-    rel.sitting[gi] = (rel.sit[gi][0], rel.sit[gi][1], M, parts)
+    rel.sitting[j] = (a0, b0, M, parts)
     a = rel.chain_prev.get((gi, s))
     if a is not None:
         ends = _link(rel, gi, a, s, carry)
@@ -167,7 +187,7 @@ def _sitting_state(rel, gi: int, t0: int, open_parts: set, carry: dict) -> None:
 
 def _link(rel, gi: int, a: int, b: int, carry: dict) -> list:
     """keep and count rows between consecutive states a, b of group gi; returns [(u, R)]."""
-    m, rec, P = rel.model, rel.rec, rel.P
+    m, rec, P = rel.model, rel.recomputable, rel.part_bytes
     top = a if a < rel.n else rel.n
     start_b = rel._start(b)
     out = []
@@ -175,21 +195,21 @@ def _link(rel, gi: int, a: int, b: int, carry: dict) -> list:
         if u > top:
             break
         if rec[u]:
-            cp = rel.C.get((u, a))
-            ks = [k for k in range(len(P[u])) if (u, k, b) in rel.L and (u, k, a) in rel.L]
+            cp = rel.again.get((u, a))
+            ks = [k for k in range(len(P[u])) if (u, k, b) in rel.live and (u, k, a) in rel.live]
             if cp is None and not ks:
                 continue
             R = _R(rel, u, a, b)
             out.append((u, R))
             if cp is not None:
-                later = [] if rel.D[u, a] <= start_b else [(rel.C[u, b], -1.0)]
+                later = [] if rel.deadline[u, a] <= start_b else [(rel.again[u, b], -1.0)]
                 m.row([(cp, 1.0), (R, -1.0)] + later, hi=0.0)
             for k in ks:
-                m.row([(rel.L[u, k, b], 1.0), (rel.L[u, k, a], -1.0), (R, -1.0)], hi=0.0)
+                m.row([(rel.live[u, k, b], 1.0), (rel.live[u, k, a], -1.0), (R, -1.0)], hi=0.0)
         else:
             for k in range(len(P[u])):
-                if (u, k, b) in rel.L and (u, k, a) in rel.L:
-                    m.row([(rel.L[u, k, b], 1.0), (rel.L[u, k, a], -1.0)], hi=0.0)
+                if (u, k, b) in rel.live and (u, k, a) in rel.live:
+                    m.row([(rel.live[u, k, b], 1.0), (rel.live[u, k, a], -1.0)], hi=0.0)
     return out
 
 
@@ -201,31 +221,57 @@ def _carry(rel, gi: int, s: int, carry: dict) -> None:
         return
     start = rel._start(nxt)
     for u in rel.members[gi]:
-        d = rel.D.get((u, s))
+        d = rel.deadline.get((u, s))
         if d is not None and d > start:
             seeds = carry.setdefault((gi, nxt), {})
             seeds[u] = max(seeds.get(u, 0), d)
 
 
 def _dependencies(rel, b: int, ends: list, det: set) -> None:
-    """R[v,(a,b)] <= L[u,k,a] + R[u,(a,b)] for each input part of v modelled at a, when u's
-    chain has the same interval (its R made on demand)."""
-    m, rec, grp = rel.model, rel.rec, rel.grp
-    for v, Rv in ends:
+    """Queue the dependency rows of every R in `ends`: they are built once every state exists
+    (a dependency reaches states of other groups, some after b)."""
+    rel.pending.extend(Rv for _, Rv in ends)
+
+
+def _depend(rel, Rv: int) -> None:
+    """R[v,(a,b)] <= L[u,k,s0] + sum of R[u, I] over u's intervals from s0 on until they cover
+    (a, b], for each input part (u, k) of v: s0 is the last state of u's chain that stands for a
+    row at or before a's (its own chain's a when u is in v's group: Checkmate's dependency). If v
+    runs in (a, b], the instance of u it reads was computed in one of those intervals or before
+    s0, and is then live at s0. Every R this makes gets its dependency rows too."""
+    m, rec, grp = rel.model, rel.recomputable, rel.group_of
+    todo = [Rv]
+    while todo:
+        col = todo.pop()
+        if col in rel.depends_done:
+            continue
+        rel.depends_done.add(col)
+        v, b = rel.R_of[col]
         a = rel.interval[v, b][0]
+        if b < 0:  # after the last state: no state bounds it
+            continue
         for u, k in set(rel.reads[v]):
-            if grp[u] not in det or rel.chain_prev.get((grp[u], b)) != a:
+            gi = grp[u]
+            if gi < 0:
                 continue
-            Lp = rel.L.get((u, k, a))
-            if Lp is None:
+            cover = rel.covering(gi, a, b) if gi != grp[v] else (a, [b])
+            if cover is None:
+                continue
+            s0, ends = cover
+            Lp = rel.live.get((u, k, s0))
+            if Lp is None:  # not modelled there (not computed yet, or past its hold): nothing said
                 continue
             if not rec[u]:
-                m.row([(Rv, 1.0), (Lp, -1.0)], hi=0.0)
+                m.row([(col, 1.0), (Lp, -1.0)], hi=0.0)
                 continue
-            Ru = rel.R.get((u, b))
-            if Ru is None:
-                Ru = _R(rel, u, a, b)
-            m.row([(Rv, 1.0), (Lp, -1.0), (Ru, -1.0)], hi=0.0)
+            terms = [(col, 1.0), (Lp, -1.0)]
+            prev = s0
+            for e in ends:
+                Ru = _R(rel, u, prev, e)
+                terms.append((Ru, -1.0))
+                todo.append(Ru)
+                prev = e
+            m.row(terms, hi=0.0)
 
 
 def _transients(rel, t: int, det: set, Lt: dict, read_t: set, sits: list, fixed: int, ends: list) -> None:
@@ -235,18 +281,18 @@ def _transients(rel, t: int, det: set, Lt: dict, read_t: set, sits: list, fixed:
     computed in the same interval: m (R_v + R_u - 1)."""
     if not ends:
         return
-    m, P, rec, grp, ms = rel.model, rel.P, rel.rec, rel.grp, rel.mem_scale
+    m, P, rec, grp, ms = rel.model, rel.part_bytes, rel.recomputable, rel.group_of, rel.mem_scale
     W = m.var(0.0, rel.budget / rel.mem_scale)
     ys: list = []
-    rel.W[t] = (W, ys)
+    rel.carried[t] = (W, ys)
     terms = [(W, 1.0)] + [(c, -1.0) for c in sits]
     for (u, k) in set(Lt) | {(u, k) for u, k in read_t if rec[u] and grp[u] in det}:
         if not rec[u]:
-            if rel.lastrd[u][k] < t:  # not held for a first computation: not in `fixed`
+            if rel.last_read[u][k] < t:  # not held for a first computation: not in `fixed`
                 terms.append((Lt[u, k], -P[u][k] / ms))
                 ys.append((None, u, k, False))
             continue
-        R = rel.R.get((u, t))
+        R = rel.computed.get((u, t))
         if R is None or rel.interval[u, t][0] != t - 1:
             continue
         y = m.var(0.0, 1.0)
@@ -257,14 +303,15 @@ def _transients(rel, t: int, det: set, Lt: dict, read_t: set, sits: list, fixed:
         terms.append((y, -P[u][k] / ms))
         ys.append((y, u, k, (u, k) in read_t))
     m.row(terms, lo=0.0)
-    nodes = rel.g.nodes
+    nodes = rel.graph.nodes
     for v, Rv in ends:
+        rel.transient_rows.append(m.num_rows)
         own = nodes[v].out_bytes + nodes[v].workspace_bytes
         row, rhs = [(W, 1.0), (Rv, own / ms)], (rel.budget - fixed) / ms
         if rel.peak is not None:
             row, rhs = row + [(rel.peak, -1.0)], -fixed / ms
         for u, k in set(rel.reads[v]):
-            Ru = rel.R.get((u, t))
+            Ru = rel.computed.get((u, t))
             if Ru is not None and rel.interval[u, t][0] == t - 1:
                 row += [(Rv, P[u][k] / ms), (Ru, P[u][k] / ms)]
                 rhs += P[u][k] / ms

@@ -291,3 +291,53 @@ def test_no_resource_warning_and_no_temp_files(backend, monkeypatch, tmp_path):
     _fits(g, plan, budget)
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
     assert os.listdir(tmp_path) == []
+
+
+def test_root_lp_stopped_by_its_limit_proves_nothing(monkeypatch):
+    """A root LP its iteration limit stops is not an infeasibility proof: the plan answers with
+    lower bound 0, and details say why (bound_source, certify's stopped_by)."""
+    from remat.solver import checkmate_certified
+
+    monkeypatch.setattr(checkmate_certified, "ROOT_MIN_ITERATIONS", 1)
+    monkeypatch.setattr(checkmate_certified, "ROOT_WORK_ROWS", 1)
+    g = transformer_like(2)
+    budget = _mid_budget(g)
+    plan = checkmate.solve(g, budget, coarsen_to=40, milp="never")
+    _fits(g, plan, budget)
+    assert plan.details["certify"]["stopped_by"] == "root LP limit"
+    assert plan.details["certify"]["bound"] == 0  # the certified search proved nothing ...
+    rows_bound = plan.details["peak_rows"]["bound"]  # ... so the bound is the rows' alone
+    assert plan.lower_bound == pytest.approx(min(rows_bound, plan.extra_cost), rel=1e-12)
+    assert plan.details["bound_source"].startswith("peak rows" if rows_bound > 0 else "none")
+
+
+def test_bound_source_names_the_relaxation():
+    g = training_chain(6, 1)
+    plan = checkmate.solve(g, _mid_budget(g))
+    d = plan.details
+    if "certify" not in d:  # the rows proved the plan optimal: the whole step's relaxation did not run
+        assert d["bound_source"].startswith("peak rows") and plan.gap <= 1e-4
+    elif d["certify"]["bound"] >= d["peak_rows"]["bound"]:
+        assert d["bound_source"].startswith("LP relaxation of the fine graph")
+    else:
+        assert d["bound_source"].startswith("peak rows")
+
+
+def test_relaxation_too_large_is_not_solved(monkeypatch):
+    """Over RELAXATION_MAX_VARIABLES the whole step's relaxation is built (cheap) but not solved:
+    the rows' bound and plans answer, and details say why."""
+    from remat.solver import checkmate_certified
+
+    g = transformer_like(2)
+    budget = _mid_budget(g)
+    full = checkmate.solve(g, budget, coarsen_to=40, milp="never")
+    if "certify" not in full.details:
+        pytest.skip("the rows proved this budget: the certified search does not run")
+    monkeypatch.setattr(checkmate_certified, "RELAXATION_MAX_VARIABLES", 10)
+    plan = checkmate.solve(g, budget, coarsen_to=40, milp="never")
+    _fits(g, plan, budget)
+    d = plan.details
+    assert "certify" not in d and d["certify_skipped"].startswith("the relaxation has")
+    assert plan.lower_bound == pytest.approx(min(d["peak_rows"]["bound"], plan.extra_cost), rel=1e-12)
+    assert d["bound_source"].startswith("peak rows" if d["peak_rows"]["bound"] > 0 else "none")
+    assert plan.extra_cost >= full.lower_bound * (1 - 1e-9)

@@ -1,0 +1,131 @@
+"""Checkmate's plans and certificates at half of each model's activation memory, side by side with
+another checkout of remat (a baseline), on the models of benchmarks/compare.py and small Hugging
+Face configs (BERT, GPT-2, T5, ViT, Llama, Gemma-2, GPT-NeoX, Qwen2) and torchvision's ResNet-50.
+
+Budget: resident bytes (parameters, gradients, kept outputs) plus half of what keep_all holds
+above them. Per model and checkout, in its own process on a saved graph: extra cost (% of the
+step's cost), the proven lower bound, the gap, wall and CPU seconds (CPU seconds are the fairer
+figure on a shared machine), the bound's source, RSS.
+
+    python benchmarks/certificates.py                           # this checkout only
+    python benchmarks/certificates.py --baseline /path/to/other/checkout --models bert llama
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODELS = ("resnet", "unet", "mobilenet", "gpt", "neox", "vit", "bert", "llama", "gpt2", "qwen2s", "gemma2", "t5",
+          "resnet50")
+
+CAPTURE = r"""
+import sys, torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[3])
+from remat.api import capture
+name = sys.argv[1]
+if name in ("gpt", "unet", "resnet", "mobilenet"):
+    from remat.default_model import GPTConfig, default_model, default_inputs
+    from remat.models import build_mobilenet, build_resnet, build_unet, mobilenet_inputs, resnet_inputs, unet_inputs
+    m, x = {"gpt": lambda: (default_model(GPTConfig()), default_inputs(GPTConfig())),
+            "unet": lambda: (build_unet(), unet_inputs()), "resnet": lambda: (build_resnet(), resnet_inputs()),
+            "mobilenet": lambda: (build_mobilenet(), mobilenet_inputs())}[name]()
+    g = capture(m, x)
+elif name == "resnet50":
+    sys.path.insert(0, sys.argv[3] + "/benchmarks")
+    import vision_models as vm
+    g = capture(vm.vision_model("resnet50"), vm.vision_inputs(8, 224))
+elif name in ("llama", "gpt2", "bert", "t5", "vit"):
+    from tests.hf_models import hf_model, hf_batch
+    m = hf_model(name, dropout=0.1, width=128, layers=4, seq=128, image=64)
+    g = capture(m, (), example_kwargs=hf_batch(name, batch=8, seq=128, image=64))
+else:
+    import transformers as tf
+    from tests.hf_models import hf_batch
+    torch.manual_seed(0)
+    small = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_attention_heads=4, max_position_embeddings=128)
+    m = {"gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, **small)),
+         "neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(num_hidden_layers=4, **small)),
+         "qwen2s": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, **small))}[name]()
+    m.train()
+    g = capture(m, (), example_kwargs=hf_batch("llama", batch=8, seq=128))
+open(sys.argv[2], "w").write(g.to_json())
+"""
+
+SOLVE = r"""
+import json, resource, sys, time
+from remat.core.training_graph import TrainingGraph
+from remat.solver import checkmate, keep_all
+g = TrainingGraph.from_json(open(sys.argv[1]).read())
+keep = keep_all.solve(g).predicted_peak_bytes
+floor = g.resident_bytes + sum(v.kept_bytes for v in g.nodes)
+budget = int(floor + float(sys.argv[2]) * (keep - floor))
+t, c = time.perf_counter(), time.process_time()
+p = checkmate.solve(g, budget)
+total = g.total_cost
+print(json.dumps({"nodes": len(g.nodes), "s": round(time.perf_counter() - t, 1), "cpu": round(time.process_time() - c, 1),
+                  "status": str(p.status), "extra": 100 * p.extra_cost / total, "bound": 100 * (p.lower_bound or 0) / total,
+                  "gap": 100 * (p.gap or 0), "fits": p.predicted_peak_bytes <= budget,
+                  "source": (p.details.get("bound_source") or "")[:40],
+                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}))
+"""
+
+
+def _run(code: str, args: list[str], checkout: Path, timeout: float) -> str | None:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    try:
+        out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                             timeout=timeout, cwd=checkout)
+    except subprocess.TimeoutExpired:
+        return None
+    if out.returncode != 0:
+        raise RuntimeError(f"{args}: {out.stderr[-2000:]}")
+    return (out.stdout.strip().splitlines() or [""])[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--frac", type=float, default=0.5, help="share of the activation memory above resident")
+    ap.add_argument("--baseline", type=Path, help="another remat checkout to solve the same graphs with")
+    ap.add_argument("--graphs", type=Path, default=Path("/tmp/remat_certificate_graphs"))
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "certificates.txt")
+    a = ap.parse_args()
+    a.graphs.mkdir(parents=True, exist_ok=True)
+    checkouts = [("this", ROOT)] + ([("baseline", a.baseline.resolve())] if a.baseline else [])
+    head = "| model | nodes | " + " | ".join(f"{n}: extra / bound / gap / s (cpu s) / bound from" for n, _ in checkouts) + " |"
+    lines = [f"# checkmate at {a.frac:.0%} of the activation memory: `python benchmarks/certificates.py"
+             f"{' --baseline ' + str(a.baseline) if a.baseline else ''}`",
+             f"# machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}", "", head, "|" + "---|" * (2 + len(checkouts))]
+    print("\n".join(lines), flush=True)
+    for name in a.models:
+        path = a.graphs / f"{name}.json"
+        if not path.exists():
+            _run(CAPTURE, [name, str(path), str(ROOT)], ROOT, a.timeout)
+        cells, nodes = [], "?"
+        for _, checkout in checkouts:
+            out = _run(SOLVE, [str(path), str(a.frac)], checkout, a.timeout)
+            if out is None:
+                cells.append(f"over {a.timeout:.0f} s")
+                continue
+            r = json.loads(out)
+            nodes = r["nodes"]
+            fits = "" if r["fits"] else " OVER BUDGET"
+            cells.append(f"{r['extra']:.3f}% / {r['bound']:.3f}% / {r['gap']:.1f}% / {r['s']} ({r['cpu']}) / "
+                         f"{r['source'].split(':')[0].split(' (')[0]}{fits}")
+        lines.append(f"| {name} | {nodes} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    a.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

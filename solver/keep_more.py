@@ -1,0 +1,67 @@
+"""Local improvement of a plan read off the relaxation: keep a dropped value when that is cheaper.
+
+A plan read off an LP solution (solver/guided.py) drops some values the LP kept only in part; the
+schedule then recomputes them, and with them every dropped value they are computed from, right
+before each read. Dropping a cheap value (a residual add) can so cost an expensive recomputation
+(the matmul it adds). `keep_more` tries, most expensive recomputation chain first, to keep each
+dropped value instead (never drop it), and keeps the change when the schedule still fits the
+budget and costs less. The simulator judges every trial; the number of trials is bounded.
+"""
+from __future__ import annotations
+
+from remat.core.training_graph import TrainingGraph
+from remat.core.simulator import simulate
+
+__all__ = ["keep_more"]
+
+
+def _chain_costs(graph: TrainingGraph, sched: list[str]) -> dict[int, float]:
+    """Per recomputed value: its recomputations' cost plus that of the recomputed values it
+    reads in the same run of recomputations (what keeping it would save at most)."""
+    idx, nodes = graph.index, graph.nodes
+    seen: set[int] = set()
+    out: dict[int, float] = {}
+    burst: dict[int, float] = {}  # recomputed in the current run -> its chain cost
+    for name in sched:
+        v = idx[name]
+        if v not in seen:
+            seen.add(v)
+            burst = {}
+            continue
+        c = nodes[v].cost + sum(burst.get(idx[i], 0.0) for i in nodes[v].inputs)
+        burst[v] = c
+        out[v] = out.get(v, 0.0) + c
+    return out
+
+
+def keep_more(graph: TrainingGraph, drops: list[set[int]], budget: int, build, refit, max_trials: int = 60):
+    """(drops, schedule) after the improvements: `build(drops) -> schedule` makes a schedule
+    from drops (guided.schedule_from_live with the caller's options) and `refit(drops) ->
+    (drops, schedule) or None` one that fits, dropping more where it does not (guided.fit); the
+    given drops' schedule must fit. Keeping a value may need others dropped instead (the
+    cheapest per byte, where the peak is over): that swap is kept when it costs less. A value is
+    tried once; the trials stop after `max_trials`."""
+    drops = [set(d) for d in drops]
+    sched = build(drops)
+    cost = simulate(graph, sched).extra_cost
+    tried: set[int] = set()
+    for _ in range(max_trials):
+        dropped = {u for d in drops for u in d}
+        chains = _chain_costs(graph, sched)
+        cands = sorted((c, u) for u, c in chains.items() if u in dropped and u not in tried)
+        if not cands:
+            break
+        _, u = cands[-1]
+        tried.add(u)
+        trial = [d - {u} for d in drops]
+        s = build(trial)
+        sim = simulate(graph, s)
+        if sim.peak_bytes > budget:
+            fitted = refit(trial)
+            if fitted is None:
+                continue
+            trial, s = fitted
+            sim = simulate(graph, s)
+        if sim.peak_bytes <= budget and sim.extra_cost < cost - 1e-12:
+            drops, sched, cost = trial, s, sim.extra_cost
+    return drops, sched
