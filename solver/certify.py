@@ -13,8 +13,8 @@ above the incumbent plan's cost are pruned (the optimum is at most that cost any
 
 The search is cut by deterministic work limits (simplex iterations over all LPs, and LPs solved),
 optionally by wall clock, and stops once the bound is within `target_gap` of the incumbent, or when
-STALL LPs in a row have not raised it by STALL_RISE of the gap left. Every node's LP solution is offered to `on_solution` (the
-caller turns it into plans: a better incumbent prunes more).
+STALL LPs in a row have not raised it by STALL_RISE of the gap left. Every node's LP solution is
+offered to `on_solution` (the caller turns it into plans: a better incumbent prunes more).
 """
 from __future__ import annotations
 
@@ -74,10 +74,9 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's, never
     below WORK_FLOOR), and max_lps LPs; root_iterations bounds the root LP's simplex iterations (a
     root LP stopped by it, or by the time limit, proves nothing: the bound is 0, stopped_by "root
-    LP limit"). on_lp(lps,
-    bound, incumbent, work), if given, is called after each branching (work: the share of the
-    simplex iteration limit spent, None without one), on_simplex(iterations) every
-    SIMPLEX_REPORT iterations of an LP (progress)."""
+    LP limit"). on_lp(lps, bound, incumbent, work), if given, is called after each branching
+    (work: the share of the simplex iteration limit spent, None without one), on_simplex(iterations)
+    every SIMPLEX_REPORT iterations of an LP (progress)."""
     import highspy
 
     t0 = time.perf_counter()
@@ -175,7 +174,7 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             if v < incumbent * (1 - 1e-9):
                 count += 1
                 heapq.heappush(heap, (v, count, child, xc))
-        log.append((lps, heap[0][0] if heap else incumbent, incumbent, iters))
+        log.append((lps, heap[0][0] if heap else incumbent, incumbent))
         if on_lp is not None:
             on_lp(lps, log[-1][1], incumbent, iters / max_iterations if max_iterations else None)
     bound = min(heap[0][0], incumbent) if heap else incumbent

@@ -23,9 +23,8 @@ from remat.solver.guided import best_guided
 from remat.solver.relaxation import Relaxation
 from remat.core.simulator import simulate
 
-__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS", "ROOT_WORK_ROWS",
-           "ROOT_MIN_ITERATIONS", "RELAXATION_MAX_NODES",
-           "RELAXATION_MAX_VARIABLES"]
+__all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
+           "ROOT_WORK_ROWS", "ROOT_MIN_ITERATIONS", "RELAXATION_MAX_NODES", "RELAXATION_MAX_VARIABLES"]
 
 PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
