@@ -1,6 +1,7 @@
 """Checkmate's plans and certificates at half of each model's activation memory, side by side with
 another checkout of remat (a baseline), on the models of benchmarks/compare.py and small Hugging
-Face configs (BERT, GPT-2, T5, ViT, Llama, Gemma-2, GPT-NeoX, Qwen2) and torchvision's ResNet-50.
+Face configs (BERT, GPT-2, T5, ViT, Llama, Gemma-2, GPT-NeoX, Qwen2) and torchvision's ResNet-50,
+DenseNet-121 and Swin-T (benchmarks/vision_models.py, batch 8 at 224 px).
 
 Budget: resident bytes (parameters, gradients, kept outputs) plus half of what keep_all holds
 above them. Per model and checkout, in its own process on a saved graph: extra cost (% of the
@@ -23,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODELS = ("resnet", "unet", "mobilenet", "gpt", "neox", "vit", "bert", "llama", "gpt2", "qwen2s", "gemma2", "t5",
-          "resnet50")
+          "resnet50", "densenet121", "swin_t")
 
 CAPTURE = r"""
 import sys, torch
@@ -38,10 +39,10 @@ if name in ("gpt", "unet", "resnet", "mobilenet"):
             "unet": lambda: (build_unet(), unet_inputs()), "resnet": lambda: (build_resnet(), resnet_inputs()),
             "mobilenet": lambda: (build_mobilenet(), mobilenet_inputs())}[name]()
     g = capture(m, x)
-elif name == "resnet50":
+elif name in ("resnet50", "densenet121", "swin_t"):
     sys.path.insert(0, sys.argv[3] + "/benchmarks")
     import vision_models as vm
-    g = capture(vm.vision_model("resnet50"), vm.vision_inputs(8, 224))
+    g = capture(vm.vision_model(name), vm.vision_inputs(8, 224))
 elif name in ("llama", "gpt2", "bert", "t5", "vit"):
     from tests.hf_models import hf_model, hf_batch
     m = hf_model(name, dropout=0.1, width=128, layers=4, seq=128, image=64)

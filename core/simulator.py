@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from remat.core.errors import RematError
 from remat.core.training_graph import TrainingGraph
 
-__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "forward_end", "parts_read"]
+__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "unread_steps", "forward_end", "parts_read"]
 
 
 class ScheduleError(RematError, ValueError):
@@ -118,6 +118,20 @@ def last_reads(graph: TrainingGraph, schedule: list[str]) -> list[list[tuple[str
     tab, nodes = _tables(graph), graph.nodes
     return [[(nodes[tab.key_node[key]].name, tab.key_part[key]) for key in f]
             for f in _last_read_keys(tab, _steps(graph, schedule))]
+
+
+def unread_steps(graph: TrainingGraph, schedule: list[str]) -> list[int]:
+    """The steps whose every output is freed at the step itself (no later step reads that
+    instance), of nodes with no kept output: instances the runtime drops as dead code."""
+    tab, nodes = _tables(graph), graph.nodes
+    steps = _steps(graph, schedule)
+    out = []
+    for s, f in enumerate(_last_read_keys(tab, steps)):
+        v = steps[s]
+        if len(f) >= len(tab.own[v]) and nodes[v].kept_bytes == 0 and \
+                sum(1 for key in f if tab.key_node[key] == v) == len(tab.own[v]):
+            out.append(s)
+    return out
 
 
 def forward_end(graph: TrainingGraph, schedule: list[str]) -> int | None:

@@ -42,9 +42,9 @@ WORK_ROWS = 6e9  # ... and at most WORK_ROWS / rows iterations (an iteration's c
 # bound and plans (solver/peak_rows.py) answer there, with the gap they prove.
 RELAXATION_MAX_NODES = 1000
 # ... and a relaxation built over this many variables is not solved: its root LP alone would take
-# many minutes on one core. Below it the root LP can take minutes already (a 3-layer Gemma-2, 587
-# nodes: 151,598 variables, 99k simplex iterations; T5, 748 nodes: 180k, 82k), and it pays there:
-# T5's plan 6.49% extra where the rows' is 10.40%, Gemma-2's 5.53% where theirs is 5.96%
+# many minutes on one core. Below it the root LP can take tens of seconds already (T5, 748 nodes:
+# 180k variables, 82k simplex iterations, 22 s), and it pays there: T5's plan 6.49% extra where
+# the rows' is 10.40%
 RELAXATION_MAX_VARIABLES = 250_000
 ROOT_WORK_ROWS = 3e10  # the root LP's simplex iterations, at most ROOT_WORK_ROWS / rows ...
 ROOT_MIN_ITERATIONS = 100_000  # ... and never fewer than this (a root LP stopped so gives no bound)

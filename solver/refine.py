@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from remat.core.training_graph import TrainingGraph
-from remat.core.simulator import last_reads, simulate
+from remat.core.simulator import simulate, unread_steps
 
 __all__ = ["prune_unread", "drop_recomputations"]
 
@@ -27,16 +27,12 @@ def prune_unread(graph: TrainingGraph, schedule: list[str]) -> list[str]:
     everywhere: solver/checkmate_stages.py on the MILP's schedules, and drop_recomputations here."""
     sched = list(schedule)
     while True:
-        frees = last_reads(graph, sched)
         count = Counter(sched)
         dead = set()
-        for s, name in enumerate(sched):
-            # an instance all of whose outputs are freed at its own step was never read
-            node = graph.node(name)
-            own = sum(1 for f, _ in frees[s] if f == name)
-            if count[name] > 1 and own == max(len(node.out_parts), 1) and node.kept_bytes == 0:
+        for s in unread_steps(graph, sched):
+            if count[sched[s]] > 1:
                 dead.add(s)
-                count[name] -= 1
+                count[sched[s]] -= 1
         if not dead:
             return sched
         sched = [n for s, n in enumerate(sched) if s not in dead]

@@ -21,7 +21,7 @@ import pytest
 from remat.core.training_graph import Node
 from remat.solver import checkmate, equal_spacing
 from remat.solver.bounds import lower_bound, peak_lower_bound, point_of_schedule
-from remat.solver.relaxation import Relaxation
+from remat.solver.relaxation import Relaxation, groups_of, long_lived
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
 from remat.core.simulator import simulate
 from tests.conftest import brute_force, random_dag, training_chain, transformer_like, with_backward, random_schedule
@@ -56,6 +56,43 @@ def encoder_decoder(enc: int = 2, dec: int = 2, seed: int = 0):
     return with_backward(fwd, resident=20, name=f"encdec{enc}x{dec}_s{seed}", rng=rng)
 
 
+def long_blocks(blocks: int = 3, body: int = 12, seed: int = 0):
+    """Residual blocks longer than the long-lived span of group_target 5 (10 forward nodes): the
+    stream's value before a block is read by its first node and by the residual add after it;
+    and a table (positions -> cos, two nodes) that every block reads, as rotary tables are."""
+    rng = random.Random(seed)
+    fwd: list[Node] = []
+
+    def add(name, inputs, out, cost, kept=0):
+        fwd.append(Node(name=name, op=name.split("_")[0], inputs=tuple(inputs), out_bytes=out, cost=float(cost),
+                        kept_bytes=kept))
+        return name
+
+    x = add("embed", (), 16, 1)
+    cos = add("cos", [add("pos", (), 4, 1)], 8, 1)
+    for b in range(blocks):
+        h = add(f"norm_{b}", [x], 16, 1)
+        for k in range(body):
+            h = add(f"mm_{b}_{k}", [h, cos] if k == 0 else [h], rng.choice([16, 32, 48]), 2 + rng.randint(0, 6))
+        x = add(f"add_{b}", [x, h], 16, 1)
+    add("loss", [x], 0, 2, kept=4)
+    return with_backward(fwd, resident=20, name=f"blocks{blocks}x{body}_s{seed}", rng=rng)
+
+
+def test_long_lived_values_are_tables_not_the_residual_stream():
+    """The stream's value before a long block is read far only once (by the residual add), and the
+    whole block feeds only that add: it stays in its own group (in the long-lived group with its
+    feeders it would be modelled over every row the stream lives); a table read by every block
+    joins the long-lived group with what computes it."""
+    g = long_blocks()
+    names = [[g.nodes[i].name for i in members] for members in groups_of(g, target=5)]
+    hubs = names[-1]
+    assert {"pos", "cos"} <= set(hubs)
+    assert not [n for n in hubs if n.startswith(("norm_", "mm_", "add_"))]  # the embedding, fed by nothing, may join
+    assert all(len(m) <= 20 for m in names[:-1])
+    assert long_lived(g, 10) >= {"embed", "add_0", "add_1", "cos"}  # all read 10 or more nodes on
+
+
 def violations(rel, x) -> list[str]:
     """Rows and bounds the point breaks (with a relative tolerance)."""
     return rel.model.violations(x)
@@ -72,7 +109,7 @@ def _convnet():
 
 
 GRAPHS = [training_chain(6, 1, random_at=(2,)), training_chain(10, 2), random_dag(18, 0), random_dag(40, 3),
-          transformer_like(2, seed=1), encoder_decoder(2, 3, seed=4)]
+          transformer_like(2, seed=1), encoder_decoder(2, 3, seed=4), long_blocks()]
 OPTIONS = [{"dense": True}, {"dense": False, "group_target": 5, "fwd_reads_only": False},
            {"dense": False, "group_target": 12, "fwd_reads_only": True}]
 
