@@ -225,19 +225,20 @@ def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: in
     return (best[0], record) if best else None
 
 
-def lowest_peak_search(graph: TrainingGraph, probes: int | None = None) -> tuple[list[str], int]:
+def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: int = 0) -> tuple[list[str], int]:
     """A low-peak schedule, and a proven lower bound on every schedule's peak (bytes).
 
     Start: the schedule read off the relaxation of the smallest peak (Relaxation with budget None:
-    recomputation free), whose optimum is the first bound. Then bisect between the bound and the
-    best peak found: a probe budget is first tried with `fit` on that schedule's drops, then with
-    the cost relaxation at that budget (its plans, `best_guided`); when that relaxation's LP is
-    infeasible no schedule fits the probe budget, and the bound rises to it."""
+    recomputation free), whose optimum is the first bound (or `floor`, a bound known, where that
+    is higher). Then bisect between the bound and the best peak found: a probe budget is first
+    tried with `fit` on that schedule's drops, then with the cost relaxation at that budget (its
+    plans, `best_guided`); when that relaxation's LP is infeasible no schedule fits the probe
+    budget, and the bound rises to it."""
     rel = Relaxation(graph, None)
     sol = rel.model.solve()
     if sol.x is None:
-        return [v.name for v in graph.nodes], 0
-    bound = max(0, int(sol.bound * rel.mem_scale * (1 - SAFETY)) - 1)
+        return [v.name for v in graph.nodes], floor
+    bound = max(floor, int(sol.bound * rel.mem_scale * (1 - SAFETY)) - 1)
     best, best_peak, best_drops = None, None, None
     for th in (0.9, 0.5):
         drops = drops_at(rel, sol.x, th)
