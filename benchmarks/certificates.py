@@ -1,5 +1,6 @@
-"""Checkmate's plans and certificates at half of each model's activation memory, side by side with
-another checkout of remat (a baseline), on the models of benchmarks/compare.py and small Hugging
+"""Checkmate's plans and certificates at half of each model's activation memory (or, with
+--smallest, at its smallest feasible budget), side by side with another checkout of remat (a
+baseline), on the models of benchmarks/compare.py and small Hugging
 Face configs (BERT, GPT-2, T5, ViT, Llama, Gemma-2, GPT-NeoX, Qwen2) and torchvision's ResNet-50,
 DenseNet-121 and Swin-T (benchmarks/vision_models.py, batch 8 at 224 px).
 
@@ -10,6 +11,7 @@ figure on a shared machine), the bound's source, RSS.
 
     python benchmarks/certificates.py                           # this checkout only
     python benchmarks/certificates.py --baseline /path/to/other/checkout --models bert llama
+    python benchmarks/certificates.py --smallest     # at each model's smallest feasible budget
 """
 from __future__ import annotations
 
@@ -78,6 +80,23 @@ print(json.dumps({"nodes": len(g.nodes), "s": round(time.perf_counter() - t, 1),
                   "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}))
 """
 
+SMALLEST = r"""
+import json, resource, sys, time
+from remat.core.training_graph import TrainingGraph
+from remat.solver import checkmate, keep_all
+g = TrainingGraph.from_json(open(sys.argv[1]).read())
+keep = keep_all.solve(g).predicted_peak_bytes
+t, c = time.perf_counter(), time.process_time()
+budget = checkmate.min_feasible_budget(g)
+found = time.perf_counter() - t
+p = checkmate.solve(g, budget)
+total = g.total_cost
+print(json.dumps({"nodes": len(g.nodes), "s": round(time.perf_counter() - t, 1), "cpu": round(time.process_time() - c, 1),
+                  "found_s": round(found, 1), "budget_pct": 100 * budget / keep, "status": str(p.status),
+                  "extra": 100 * p.extra_cost / total, "gap": 100 * (p.gap or 0), "fits": p.predicted_peak_bytes <= budget,
+                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}))
+"""
+
 
 def _run(code: str, args: list[str], checkout: Path, timeout: float) -> str | None:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
@@ -98,12 +117,18 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="another remat checkout to solve the same graphs with")
     ap.add_argument("--graphs", type=Path, default=Path("/tmp/remat_certificate_graphs"))
     ap.add_argument("--timeout", type=float, default=900.0)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "certificates.txt")
+    ap.add_argument("--smallest", action="store_true",
+                    help="at each model's smallest feasible budget (min_feasible_budget, then solve there)")
+    ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    a.out = a.out or HERE / "results" / ("smallest_budget.txt" if a.smallest else "certificates.txt")
     a.graphs.mkdir(parents=True, exist_ok=True)
     checkouts = [("this", ROOT)] + ([("baseline", a.baseline.resolve())] if a.baseline else [])
-    head = "| model | nodes | " + " | ".join(f"{n}: extra / bound / gap / s (cpu s) / bound from" for n, _ in checkouts) + " |"
-    lines = [f"# checkmate at {a.frac:.0%} of the activation memory: `python benchmarks/certificates.py"
+    what = ("smallest budget (% of keep_all) / extra / gap / s to find it / s in all (cpu s)" if a.smallest
+            else "extra / bound / gap / s (cpu s) / bound from")
+    head = "| model | nodes | " + " | ".join(f"{n}: {what}" for n, _ in checkouts) + " |"
+    at = "its smallest feasible budget" if a.smallest else f"{a.frac:.0%} of the activation memory"
+    lines = [f"# checkmate at {at}: `python benchmarks/certificates.py{' --smallest' if a.smallest else ''}"
              f"{' --baseline ' + str(a.baseline) if a.baseline else ''}`",
              f"# machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start, "
              f"{time.strftime('%Y-%m-%d %H:%M')}", "", head, "|" + "---|" * (2 + len(checkouts))]
@@ -114,13 +139,17 @@ def main() -> None:
             _run(CAPTURE, [name, str(path), str(ROOT)], ROOT, a.timeout)
         cells, nodes = [], "?"
         for _, checkout in checkouts:
-            out = _run(SOLVE, [str(path), str(a.frac)], checkout, a.timeout)
+            out = _run(SMALLEST if a.smallest else SOLVE, [str(path), str(a.frac)], checkout, a.timeout)
             if out is None:
                 cells.append(f"over {a.timeout:.0f} s")
                 continue
             r = json.loads(out)
             nodes = r["nodes"]
             fits = "" if r["fits"] else " OVER BUDGET"
+            if a.smallest:
+                cells.append(f"{r['budget_pct']:.1f}% / {r['extra']:.3f}% / {r['gap']:.1f}% / {r['found_s']} / "
+                             f"{r['s']} ({r['cpu']}){fits}")
+                continue
             cells.append(f"{r['extra']:.3f}% / {r['bound']:.3f}% / {r['gap']:.1f}% / {r['s']} ({r['cpu']}) / "
                          f"{r['source'].split(':')[0].split(' (')[0]}{fits}")
         lines.append(f"| {name} | {nodes} | " + " | ".join(cells) + " |")

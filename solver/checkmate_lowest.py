@@ -1,11 +1,13 @@
 """The lowest-peak plan checkmate knows, `min_feasible_budget` (its peak), and a proven lower
 bound on any plan's peak.
 
-Candidates, whichever peaks lowest on the fine graph: the relaxation's low-peak schedule
-(solver/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the rows' instead,
-solver/peak_rows.py `lowest_peak_by_rows`), equal_spacing's lowest-peak plan, and on small coarse
-graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
-minimise M), each with its peak then lowered by local moves (solver/peak_relief.py).
+Candidates, whichever peaks lowest on the fine graph: equal_spacing's lowest-peak plan, on small
+coarse graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
+minimise M), each with its peak then lowered by local moves (solver/peak_relief.py), and where
+those stay more than CLOSE_TO_FLOOR above the rows' floor the relaxation's low-peak schedule
+(solver/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the rows'
+instead, solver/peak_rows.py `lowest_peak_by_rows`); on graphs up to DESCEND_MAX_NODES nodes the
+certified search then tries to go lower.
 plan.details["peak_lower_bound"] is the larger of the relaxation's bound and the rows' floor: no
 schedule whose first computations follow the graph's order peaks below it, so a budget under it
 is infeasible as a fact. Cached per graph object and options: min_feasible_budget and solve's last fallback read the
@@ -34,10 +36,14 @@ from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
 
-__all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES"]
+__all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES", "CLOSE_TO_FLOOR",
+           "DESCEND_MAX_NODES"]
 
 MILP_MAX_COARSE_NODES = 64  # the min-peak MILP runs on coarse graphs up to this size
-# on graphs up to RELAXATION_MAX_NODES nodes the lowest peak is pushed down by the certified search
+# on graphs up to DESCEND_MAX_NODES nodes the lowest peak is pushed down by the certified search
+# (above it, on eight models of 141-748 nodes, U-Net, the GPTs, ViT, BERT, Qwen2, T5, ResNet-50,
+# two steps of it took 5-90 s and lowered no peak) ...
+DESCEND_MAX_NODES = 100
 DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
 # the relaxation's lowest-peak bisection runs only where the best candidate's peak is further than
 # this above the proven floor (what it could win at most)
@@ -70,9 +76,10 @@ _LOWEST: dict = {}
 
 def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | None, limits: Limits,
                      deadline: float | None = None) -> Plan:
-    """The lowest-peak plan known: of the min-peak MILP's (small coarse graphs), the relaxation's
-    and equal_spacing's lowest-peak plans, each with its peak relieved, and the certified search's
-    (when those stay more than DESCEND_GAP above the proven floor), the one that peaks lowest
+    """The lowest-peak plan known: of the min-peak MILP's (small coarse graphs), equal_spacing's
+    and (when those stay more than CLOSE_TO_FLOOR above the rows' floor) the relaxation's
+    lowest-peak plans, each with its peak relieved, and the certified search's (small graphs, when
+    those stay more than DESCEND_GAP above the proven floor), the one that peaks lowest
     (cached per graph object and options `limits`, whatever wall clock was left before `deadline`
     when it was computed; a copy is returned)."""
     key = (id(graph), backend, coarsen_to, limits)
@@ -110,14 +117,15 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
         if min(c[0] for c in cands) > bound * (1 + DESCEND_GAP):
             cands = [_relieved(graph, *c) for c in cands]
     best = min(cands, key=lambda c: (c[0], c[2].extra_cost))
-    # the certified search, one byte under the best peak at a time, only where the best peak is not
-    # already within DESCEND_GAP of the bound (there it costs the most and finds the least)
-    if len(graph.nodes) <= RELAXATION_MAX_NODES and best[0] > bound * (1 + DESCEND_GAP):
+    # the certified search, one byte under the best peak at a time, only on small graphs and where
+    # the best peak is not already within DESCEND_GAP of the bound (there it costs the most and
+    # finds the least)
+    if len(graph.nodes) <= DESCEND_MAX_NODES and best[0] > bound * (1 + DESCEND_GAP):
         def search(budget):
             res = certified_search(graph, budget, starts=[])
             return res.schedule, math.isinf(res.bound)
 
-        sched, bound = descend(graph, best[2].schedule, bound, search, steps=4 if len(graph.nodes) <= 100 else 2)
+        sched, bound = descend(graph, best[2].schedule, bound, search, steps=4)
         found = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
         if found.predicted_peak_bytes < best[0]:
             cands.append((found.predicted_peak_bytes, "certified", found))

@@ -17,9 +17,14 @@ from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.relaxation import SAFETY, Relaxation
 from remat.core.simulator import simulate
 
-__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS", "REFINED"]
+__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS", "REFINED",
+           "PROBE_MAX_VARIABLES"]
 
 THRESHOLDS = (0.9, 0.5)
+# lowest_peak_search probes budgets only on relaxations up to this many variables: a probe (the
+# cost relaxation's LP at a budget) takes 2-3 s at 36k variables (Qwen2-small), over two minutes at
+# 180k (T5, 748 nodes: 130k simplex iterations at ~1 ms each)
+PROBE_MAX_VARIABLES = 100_000
 REFINED = 2  # candidate schedules of one LP solution that best_guided refines: the cheapest
 
 
@@ -233,7 +238,7 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     is higher). Then bisect between the bound and the best peak found: a probe budget is first
     tried with `fit` on that schedule's drops, then with the cost relaxation at that budget (its
     plans, `best_guided`); when that relaxation's LP is infeasible no schedule fits the probe
-    budget, and the bound rises to it."""
+    budget, and the bound rises to it. No probes on relaxations over PROBE_MAX_VARIABLES."""
     rel = Relaxation(graph, None)
     sol = rel.model.solve()
     if sol.x is None:
@@ -249,6 +254,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     if probes is None:
         probes = 16 if len(graph.nodes) <= 1500 else 4
     lo = bound
+    if rel.model.num_vars > PROBE_MAX_VARIABLES:
+        probes = 0
     for _ in range(probes):
         if best_peak - lo <= 1:
             break

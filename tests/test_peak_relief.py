@@ -55,3 +55,25 @@ def test_lowest_peak_is_above_its_bound_and_replays(seed):
     keep = simulate(g, keep_all_schedule(g)).peak_bytes
     es = equal_spacing.solve(g, LOWEST_PEAK).predicted_peak_bytes
     assert peak <= min(keep, es)
+
+
+def test_the_relaxation_bisection_runs_only_above_the_floor(monkeypatch):
+    """Where equal_spacing's relieved lowest-peak plan is within CLOSE_TO_FLOOR of the rows' floor
+    (transformer stacks), min_feasible_budget answers with it without the relaxation's bisection
+    (minutes on a few hundred nodes); where it is further above (a chain), the bisection runs."""
+    from remat.solver import checkmate_lowest
+    from remat.solver.peak_rows import peak_floor
+
+    calls = []
+    real = checkmate_lowest.lowest_peak_search
+    monkeypatch.setattr(checkmate_lowest, "lowest_peak_search", lambda g, **kw: calls.append(g) or real(g, **kw))
+    g = transformer_like(6, 0)
+    peak, plan = min_feasible_budget(g, return_plan=True)
+    floor = peak_floor(g)
+    assert calls == [] and floor <= peak <= floor * (1 + checkmate_lowest.CLOSE_TO_FLOOR)
+    assert plan.details["peak_lower_bound"] == floor and simulate(g, plan.schedule).peak_bytes == peak
+    chain = training_chain(40, 0)
+    es = simulate(chain, relieve_peak(chain, equal_spacing.solve(chain, LOWEST_PEAK).schedule)).peak_bytes
+    assert es > peak_floor(chain) * (1 + checkmate_lowest.CLOSE_TO_FLOOR)
+    peak, plan = min_feasible_budget(chain, return_plan=True)
+    assert calls == [chain] and plan.details["peak_lower_bound"] <= peak <= es
