@@ -8,10 +8,11 @@ those stay more than CLOSE_TO_FLOOR above the rows' floor the relaxation's low-p
 (solver/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the rows'
 instead, solver/peak_rows.py `lowest_peak_by_rows`); on graphs up to DESCEND_MAX_NODES nodes the
 certified search then tries to go lower.
-plan.details["peak_lower_bound"] is the larger of the relaxation's bound and the rows' floor: no
-schedule whose first computations follow the graph's order peaks below it, so a budget under it
-is infeasible as a fact. Cached per graph object and options: min_feasible_budget and solve's last fallback read the
-same entry, so every budget at or above the one reported is a budget solve accepts.
+plan.details["peak_lower_bound"] is the rows' floor, or the relaxation's bound where it ran and
+is higher: no schedule whose first computations follow the graph's order peaks below it, so a
+budget under it is infeasible as a fact. Cached per graph object and options: min_feasible_budget
+and solve's last fallback read the same entry, so every budget at or above the one reported is a
+budget solve accepts.
 """
 from __future__ import annotations
 
