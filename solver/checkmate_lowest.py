@@ -126,7 +126,7 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
             res = certified_search(graph, budget, starts=[])
             return res.schedule, math.isinf(res.bound)
 
-        sched, bound = descend(graph, best[2].schedule, bound, search, steps=4)
+        sched, bound = descend(graph, best[2].schedule, bound, search)
         found = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
         if found.predicted_peak_bytes < best[0]:
             cands.append((found.predicted_peak_bytes, "certified", found))

@@ -238,7 +238,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     is higher). Then bisect between the bound and the best peak found: a probe budget is first
     tried with `fit` on that schedule's drops, then with the cost relaxation at that budget (its
     plans, `best_guided`); when that relaxation's LP is infeasible no schedule fits the probe
-    budget, and the bound rises to it. No probes on relaxations over PROBE_MAX_VARIABLES."""
+    budget, and the bound rises to it. probes: how many budgets are probed (None: 16, and none on
+    relaxations over PROBE_MAX_VARIABLES)."""
     rel = Relaxation(graph, None)
     sol = rel.model.solve()
     if sol.x is None:
@@ -252,10 +253,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
         if best_peak is None or peak < best_peak:
             best, best_peak, best_drops = sched, peak, drops
     if probes is None:
-        probes = 16 if len(graph.nodes) <= 1500 else 4
+        probes = 0 if rel.model.num_vars > PROBE_MAX_VARIABLES else 16
     lo = bound
-    if rel.model.num_vars > PROBE_MAX_VARIABLES:
-        probes = 0
     for _ in range(probes):
         if best_peak - lo <= 1:
             break
