@@ -78,7 +78,7 @@ def _budget(g, name: str, frac: float) -> int:
 def smallest(path: Path) -> dict:
     """The smallest feasible budget checkmate finds for the graph at `path`, and its time."""
     from remat.core.training_graph import TrainingGraph
-    from remat.solver.checkmate_lowest import min_feasible_budget
+    from remat.solver.checkmate.lowest_peak import min_feasible_budget
 
     g = TrainingGraph.from_json(path.read_text())
     t0 = time.perf_counter()

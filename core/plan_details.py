@@ -12,7 +12,7 @@ __all__ = ["PlanDetails"]
 class PlanDetails(TypedDict, total=False):
     """plan.details, key by key: every key optional, each filled in by the strategy named beside it."""
 
-    # ---- checkmate (solver/checkmate.py): where the plan came from ---------------------------------
+    # ---- checkmate (solver/checkmate/strategy.py): where the plan came from ---------------------------------
     schedule_source: str  # "milp", "relaxation", "equal_spacing", "fallback", "lowest_peak", ...
     refined_from: str  # the candidate the chosen schedule was refined from
     fine_nodes: int
@@ -26,11 +26,11 @@ class PlanDetails(TypedDict, total=False):
     reason: str  # why nothing better was found / why infeasible
     proof: str  # the proven statement behind an "infeasible" status
     fallback: dict[str, Any]  # {"reason", "candidates"} when a fallback answered
-    # ---- checkmate: the rows over the budget (solver/peak_rows.py) -------------------------------
+    # ---- checkmate: the rows over the budget (solver/checkmate/peak_rows.py) -------------------------------
     peak_rows: dict[str, Any]  # {"rows_over_budget", "solves": [each model's size, status, bound], "bound", "s"}
     bound_source: str  # what gave lower_bound: the rows' models, or which relaxation and its branch and bound, or none
     certify_skipped: str  # why the certified search did not run (a large graph, or a relaxation too large to solve)
-    # ---- checkmate: the certified search (solver/checkmate_certified.py) -------------------------
+    # ---- checkmate: the certified search (solver/checkmate/certified_search.py) -------------------------
     relaxation: dict[str, Any]  # {"variables", "rows", "dense", ...} of the relaxation's LP
     certify: dict[str, Any]  # {"root_bound", "bound", "lps", "iterations", "stopped_by", "s"}
     guided_plans: list[Any]  # the plans read off LP solutions
@@ -39,7 +39,7 @@ class PlanDetails(TypedDict, total=False):
     infeasible_row: str | None  # the node at which the relaxation proved the budget infeasible
     variables: Any
     constraints: Any
-    # ---- checkmate: the coarse MILP (solver/checkmate_model.py) -----------------------------------
+    # ---- checkmate: the coarse MILP (solver/checkmate/milp_model.py) -----------------------------------
     milp: str  # why it did not run
     milp_status: str
     milp_gap: float | None
@@ -59,11 +59,11 @@ class PlanDetails(TypedDict, total=False):
     coarse_peak_bytes: int | None
     coarse_extra_cost: float
     equal_spacing: dict[str, Any]  # equal_spacing's plan at the same budget, for comparison
-    # ---- the lowest peak (solver/checkmate_lowest.py) --------------------------------------------
+    # ---- the lowest peak (solver/checkmate/lowest_peak.py) --------------------------------------------
     lowest_peak: dict[str, Any]  # {"peak_bytes", "source"} of the lowest-peak plan
     lowest_peak_candidates: dict[str, int]  # candidate -> its peak
     peak_lower_bound: int  # proven: no schedule peaks below it
-    peak_relieved_from: int  # the peak before solver/peak_relief.py lowered it
+    peak_relieved_from: int  # the peak before solver/checkmate/peak_relief.py lowered it
     # ---- baselines ------------------------------------------------------------------------------
     k: int  # equal_spacing: every k-th articulation point kept
     checkpoints: int

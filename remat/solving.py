@@ -6,6 +6,8 @@ everywhere: InfeasibleBudgetError naming the smallest budget the same strategy r
 """
 from __future__ import annotations
 
+import dataclasses
+
 from remat.core import progress
 from remat.core.training_graph import TrainingGraph
 from remat.solver import get_options, get_solver
@@ -52,6 +54,9 @@ def smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | N
 
 
 def strategy_options(solver: str, time_limit_s: float | None, solver_kwargs: dict):
-    """The strategy's Options (time_limit_s is checkmate's only: the baselines take no time)."""
-    kwargs = {**solver_kwargs, "time_limit_s": time_limit_s} if solver == "checkmate" else solver_kwargs
-    return get_options(solver).make(solver, kwargs)
+    """The strategy's Options (time_limit_s goes to the strategies that take it, checkmate's and the
+    MILP's: the baselines take no time)."""
+    options = get_options(solver)
+    takes_time = "time_limit_s" in {f.name for f in dataclasses.fields(options)}
+    kwargs = {**solver_kwargs, "time_limit_s": time_limit_s} if takes_time else solver_kwargs
+    return options.make(solver, kwargs)

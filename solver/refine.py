@@ -24,7 +24,7 @@ def prune_unread(graph: TrainingGraph, schedule: list[str]) -> list[str]:
     instance goes too when a later one exists (Checkmate's frontier-advancing stages compute node t
     in stage t even when it is recomputed before anyone reads it; the min-peak MILP, which does not
     price compute, leaves many such), and so does a last one nothing reads. The one pruning used
-    everywhere: solver/checkmate_stages.py on the MILP's schedules, and drop_recomputations here."""
+    everywhere: solver/checkmate/milp_stages.py on the MILP's schedules, and drop_recomputations here."""
     sched = list(schedule)
     while True:
         count = Counter(sched)

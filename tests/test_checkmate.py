@@ -17,7 +17,7 @@ import random
 import pytest
 
 from remat.solver import checkmate, equal_spacing
-from remat.solver.coarsen import coarsen, expand_schedule
+from remat.solver.checkmate.coarsen import coarsen, expand_schedule
 from remat.core.plan import Plan
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
 from remat.core.simulator import simulate
@@ -187,7 +187,7 @@ def test_transformer_plan_details():
 
 @pytest.mark.parametrize("backend", ["highs", "cbc"])
 def test_each_backend_matches_brute_force(backend):
-    from remat.solver import backends
+    from remat.solver.checkmate import backends
 
     if not backends.available(backend):
         pytest.skip(f"backend {backend!r} is not installed here")
@@ -205,3 +205,61 @@ def test_each_backend_matches_brute_force(backend):
 def test_unknown_backend():
     with pytest.raises(ValueError, match="unknown backend"):
         checkmate.solve(training_chain(3, 0), 10_000, backend="gurobi")
+
+
+@pytest.mark.parametrize("n, seed, which", [(4, 0, "min"), (6, 1, "mid"), (7, 2, "min+"), (8, 0, "max")])
+def test_checkmate_milp_alone_is_the_brute_force_optimum_on_the_fine_graph(n, seed, which):
+    # the coarse MILP as its own strategy (solver/checkmate/milp.py): on a chain of the fine graph
+    # (coarsen_to=None) its optimum is exact, as the module docstring above argues
+    from remat.solver import get_solver
+
+    g = training_chain(n, seed)
+    lo, hi = budgets(g)
+    budget = {"min": lo, "min+": lo + 2, "mid": (lo + hi) // 2, "max": hi}[which]
+    best, _ = brute_force(g, budget)
+    plan = get_solver("checkmate_milp")(g, budget, coarsen_to=None)
+    assert plan.strategy == "checkmate_milp" and plan.status == "optimal"
+    assert plan.predicted_peak_bytes <= budget and plan.total_cost == pytest.approx(best)
+    assert plan.details["milp_status"] == "optimal" and plan.details["coarse_nodes"] == len(g.nodes)
+    # below every plan: the min-peak MILP's plan, marked infeasible, peaking at the brute force's lowest
+    low = get_solver("checkmate_milp")(g, lo - 1, coarsen_to=None)
+    assert low.status == "infeasible" and low.predicted_peak_bytes == lo
+
+
+def test_the_milp_gate_is_stated_once():
+    from remat.solver.checkmate.milp import MILP_MAX_COARSE_NODES, milp_gate
+
+    assert milp_gate(MILP_MAX_COARSE_NODES, "auto") is None and milp_gate(3, "always") is None
+    assert "milp='always'" in milp_gate(MILP_MAX_COARSE_NODES + 1, "auto")
+    assert milp_gate(3, "never") is not None
+    g = transformer_like(4)  # more coarse nodes than the gate lets through at coarsen_to=None
+    assert len(g.nodes) > MILP_MAX_COARSE_NODES
+    plan = checkmate.solve(g, int(0.7 * peak(g, keep_all_schedule(g))), coarsen_to=None)
+    assert plan.details["milp"] == milp_gate(len(g.nodes), "auto") and "milp_status" not in plan.details
+
+
+PULP_SCRIPT = """
+import sys
+from remat.solver import checkmate, get_solver
+from remat.core.simulator import simulate
+from remat.solver.schedule import keep_all_schedule
+from tests.conftest import transformer_like, training_chain
+g = transformer_like(4)
+checkmate.solve(g, int(0.7 * simulate(g, keep_all_schedule(g)).peak_bytes), coarsen_to=None)
+print("after checkmate", "pulp" in sys.modules)
+c = training_chain(5, 0)
+get_solver("checkmate_milp")(c, simulate(c, keep_all_schedule(c)).peak_bytes, coarsen_to=None)
+print("after the MILP", "pulp" in sys.modules)
+"""
+
+
+def test_pulp_is_imported_only_where_the_milp_runs():
+    # a fresh interpreter: nothing has imported PuLP yet
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", PULP_SCRIPT], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "after checkmate False" in out.stdout and "after the MILP True" in out.stdout, out.stdout

@@ -1,4 +1,4 @@
-"""solver/peak_relief.py: moving values held across the peak to a recomputation after it.
+"""solver/checkmate/peak_relief.py: moving values held across the peak to a recomputation after it.
 
 Every result must be a schedule the simulator accepts, never peaking above its input, never below
 what any schedule can reach (brute force on small graphs, the relaxation's bound on larger ones);
@@ -10,7 +10,7 @@ import pytest
 
 from remat.solver import equal_spacing
 from remat.solver.checkmate import min_feasible_budget
-from remat.solver.peak_relief import relieve_peak
+from remat.solver.checkmate.peak_relief import relieve_peak
 from remat.core.plan import LOWEST_PEAK
 from remat.solver.schedule import keep_all_schedule
 from remat.core.simulator import simulate
@@ -61,19 +61,19 @@ def test_the_relaxation_bisection_runs_only_above_the_floor(monkeypatch):
     """Where equal_spacing's relieved lowest-peak plan is within CLOSE_TO_FLOOR of the rows' floor
     (transformer stacks), min_feasible_budget answers with it without the relaxation's bisection
     (minutes on a few hundred nodes); where it is further above (a chain), the bisection runs."""
-    from remat.solver import checkmate_lowest
-    from remat.solver.peak_rows import peak_floor
+    from remat.solver.checkmate import lowest_peak
+    from remat.solver.checkmate.peak_rows import peak_floor
 
     calls = []
-    real = checkmate_lowest.lowest_peak_search
-    monkeypatch.setattr(checkmate_lowest, "lowest_peak_search", lambda g, **kw: calls.append(g) or real(g, **kw))
+    real = lowest_peak.lowest_peak_search
+    monkeypatch.setattr(lowest_peak, "lowest_peak_search", lambda g, **kw: calls.append(g) or real(g, **kw))
     g = transformer_like(6, 0)
     peak, plan = min_feasible_budget(g, return_plan=True)
     floor = peak_floor(g)
-    assert calls == [] and floor <= peak <= floor * (1 + checkmate_lowest.CLOSE_TO_FLOOR)
+    assert calls == [] and floor <= peak <= floor * (1 + lowest_peak.CLOSE_TO_FLOOR)
     assert plan.details["peak_lower_bound"] == floor and simulate(g, plan.schedule).peak_bytes == peak
     chain = training_chain(40, 0)
     es = simulate(chain, relieve_peak(chain, equal_spacing.solve(chain, LOWEST_PEAK).schedule)).peak_bytes
-    assert es > peak_floor(chain) * (1 + checkmate_lowest.CLOSE_TO_FLOOR)
+    assert es > peak_floor(chain) * (1 + lowest_peak.CLOSE_TO_FLOOR)
     peak, plan = min_feasible_budget(chain, return_plan=True)
     assert calls == [chain] and plan.details["peak_lower_bound"] <= peak <= es

@@ -1,4 +1,4 @@
-"""The rows' model (solver/peak_rows.py) is a relaxation, and what it proves holds.
+"""The rows' model (solver/checkmate/peak_rows.py) is a relaxation, and what it proves holds.
 
 Every schedule whose first computations follow the graph's order and that fits the budget must be
 a point of the model of the rows keep-all puts over that budget, at an objective no higher than
@@ -16,7 +16,7 @@ import pytest
 from remat.core.simulator import simulate
 from remat.core.training_graph import Node, TrainingGraph
 from remat.solver import checkmate
-from remat.solver.peak_rows import over_budget_rows, peak_rows_search, point_of_schedule, rows_model
+from remat.solver.checkmate.peak_rows import over_budget_rows, peak_rows_search, point_of_schedule, rows_model
 from remat.solver.schedule import keep_all_schedule
 from tests.conftest import brute_force, random_dag, random_schedule, training_chain, transformer_like
 

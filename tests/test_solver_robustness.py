@@ -22,8 +22,9 @@ import warnings
 import pytest
 
 import remat.api as api
-from remat.solver import backends, checkmate, checkmate_attempts, checkmate_lowest, equal_spacing
-from remat.solver.backends import BackendError
+from remat.solver import checkmate, equal_spacing
+from remat.solver.checkmate import backends, milp_attempts, lowest_peak
+from remat.solver.checkmate.backends import BackendError
 from remat.solver.checkmate import SolverFallbackWarning
 from remat.core.plan import InfeasibleBudgetError
 from remat.solver.schedule import keep_all_schedule
@@ -86,7 +87,7 @@ def test_a_failing_backend_falls_back_to_the_next(monkeypatch):
             raise BackendError("highs: simulated failure")
         return real(prob, backend, limits, **kw)
 
-    monkeypatch.setattr(checkmate_attempts, "run_backend", broken_highs)
+    monkeypatch.setattr(milp_attempts, "run_backend", broken_highs)
     g = training_chain(6, 0)
     budget = _mid_budget(g)
     with pytest.warns(SolverFallbackWarning, match="simulated failure"):
@@ -105,7 +106,7 @@ def test_every_backend_failing_gives_the_heuristic_plan(monkeypatch, how):
             raise BackendError(f"{backend}: simulated crash")
         return backends.Outcome("none")  # no solution, and no limit to explain it
 
-    monkeypatch.setattr(checkmate_attempts, "run_backend", broken)
+    monkeypatch.setattr(milp_attempts, "run_backend", broken)
     g = transformer_like(2)
     budget = _mid_budget(g)
     es = equal_spacing.solve(g, budget)
@@ -129,7 +130,7 @@ def test_node_limit_without_incumbent_is_not_a_failure(monkeypatch):
         tried.append(backend)
         return backends.Outcome("none", stopped_by="node limit")
 
-    monkeypatch.setattr(checkmate_attempts, "run_backend", limited)
+    monkeypatch.setattr(milp_attempts, "run_backend", limited)
     g = transformer_like(2)
     budget = _mid_budget(g)
     with warnings.catch_warnings():
@@ -244,13 +245,13 @@ def test_smallest_budget_is_accepted_even_if_a_second_search_would_differ(monkey
     time-limited search on a busier machine could) finds nothing; solve still accepts the budget
     reported, because it falls back to the same lowest-peak plan."""
     g = random_dag(50, 4)
-    real, calls = checkmate_lowest.min_peak_plan, []
+    real, calls = lowest_peak.min_peak_plan, []
 
     def once(*a, **kw):
         calls.append(1)
         return real(*a, **kw) if len(calls) == 1 else None
 
-    monkeypatch.setattr(checkmate_lowest, "min_peak_plan", once)
+    monkeypatch.setattr(lowest_peak, "min_peak_plan", once)
     with pytest.raises(InfeasibleBudgetError) as e:
         api.solve(g, g.resident_bytes + 1, coarsen_to=30)
     m = e.value.min_feasible_bytes
@@ -265,7 +266,7 @@ def test_smallest_budget_is_accepted_when_every_backend_fails(monkeypatch):
     def broken(prob, backend, limits, **kw):
         raise BackendError(f"{backend}: simulated crash")
 
-    monkeypatch.setattr(checkmate_attempts, "run_backend", broken)
+    monkeypatch.setattr(milp_attempts, "run_backend", broken)
     g = random_dag(30, 5)
     with pytest.warns(SolverFallbackWarning):
         with pytest.raises(InfeasibleBudgetError) as e:
@@ -296,10 +297,10 @@ def test_no_resource_warning_and_no_temp_files(backend, monkeypatch, tmp_path):
 def test_root_lp_stopped_by_its_limit_proves_nothing(monkeypatch):
     """A root LP its iteration limit stops is not an infeasibility proof: the plan answers with
     lower bound 0, and details say why (bound_source, certify's stopped_by)."""
-    from remat.solver import checkmate_certified
+    from remat.solver.checkmate import certified_search
 
-    monkeypatch.setattr(checkmate_certified, "ROOT_MIN_ITERATIONS", 1)
-    monkeypatch.setattr(checkmate_certified, "ROOT_WORK_ROWS", 1)
+    monkeypatch.setattr(certified_search, "ROOT_MIN_ITERATIONS", 1)
+    monkeypatch.setattr(certified_search, "ROOT_WORK_ROWS", 1)
     g = transformer_like(2)
     budget = _mid_budget(g)
     plan = checkmate.solve(g, budget, coarsen_to=40, milp="never")
@@ -326,14 +327,14 @@ def test_bound_source_names_the_relaxation():
 def test_relaxation_too_large_is_not_solved(monkeypatch):
     """Over RELAXATION_MAX_VARIABLES the whole step's relaxation is built (cheap) but not solved:
     the rows' bound and plans answer, and details say why."""
-    from remat.solver import checkmate_certified
+    from remat.solver.checkmate import certified_search
 
     g = transformer_like(2)
     budget = _mid_budget(g)
     full = checkmate.solve(g, budget, coarsen_to=40, milp="never")
     if "certify" not in full.details:
         pytest.skip("the rows proved this budget: the certified search does not run")
-    monkeypatch.setattr(checkmate_certified, "RELAXATION_MAX_VARIABLES", 10)
+    monkeypatch.setattr(certified_search, "RELAXATION_MAX_VARIABLES", 10)
     plan = checkmate.solve(g, budget, coarsen_to=40, milp="never")
     _fits(g, plan, budget)
     d = plan.details

@@ -20,8 +20,8 @@ import pytest
 
 from remat.core.training_graph import Node
 from remat.solver import checkmate, equal_spacing
-from remat.solver.bounds import lower_bound, peak_lower_bound, point_of_schedule
-from remat.solver.relaxation import Relaxation, groups_of, long_lived
+from remat.solver.checkmate.bounds import lower_bound, peak_lower_bound, point_of_schedule
+from remat.solver.checkmate.relaxation import Relaxation, groups_of, long_lived
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
 from remat.core.simulator import simulate
 from tests.conftest import brute_force, random_dag, training_chain, transformer_like, with_backward, random_schedule

@@ -7,12 +7,15 @@
   Each folder may import its own modules and the folders to its left, never one to its right. Every
   `import remat.X` / `from remat.X import` in the package's files counts, function-local ones too.
 * No import cycle between any two modules either (function-local imports count).
-* The solver imports only core and itself, and no torch; core imports no other stage and no torch.
+* The solver imports only core and itself, and no torch; core imports no other stage and no torch;
+  PuLP is imported by one module, the MILP's backends (solver/checkmate/backends.py).
 * No module imports another module's private names (`from remat.x import _name`, `x._name`).
 * Every error remat defines is a RematError and every warning a RematWarning (core/errors.py).
 * Every module has a docstring and an explicit `__all__`, and every public function or class in it
   has a docstring.
 * No module is longer than ~400 lines unless its top says why ("Why this file is long:").
+
+A stage's subpackages (solver/checkmate/) are held to the same rules as its modules.
 """
 import ast
 import importlib
@@ -36,12 +39,17 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
+def _files(layer: str) -> list[Path]:
+    """The stage's Python files, its subpackages' included."""
+    return sorted((ROOT / layer).rglob("*.py"))
+
+
 def import_graph() -> dict[str, set[str]]:
     """folder -> the other folders its files import."""
     graph = {}
     for layer in LAYERS:
         deps = set()
-        for path in sorted((ROOT / layer).glob("*.py")):
+        for path in _files(layer):
             deps |= _imports(path)
         graph[layer] = deps - {layer}
     return graph
@@ -59,8 +67,9 @@ def test_the_check_sees_imports():
 
 
 def _modules() -> list[str]:
-    return [f"remat.{layer}.{p.stem}" if layer != "remat" else f"remat.{p.stem}"
-            for layer in LAYERS for p in sorted((ROOT / layer).glob("*.py")) if p.stem != "__init__"]
+    """Every module's name, the subpackages' __init__ included (the stages' own are left out)."""
+    return [_module_name(layer, p) for layer in LAYERS for p in _files(layer)
+            if not (p.name == "__init__.py" and p.parent == ROOT / layer)]
 
 
 def test_every_module_and_public_name_is_documented():
@@ -83,7 +92,7 @@ def test_every_module_and_public_name_is_documented():
 def test_long_modules_say_why():
     long = []
     for layer in LAYERS:
-        for path in sorted((ROOT / layer).glob("*.py")):
+        for path in _files(layer):
             lines = path.read_text().splitlines()
             if len(lines) > 420 and not any("Why this file is long:" in line for line in lines[:40]):
                 long.append(f"{path.relative_to(ROOT)} ({len(lines)} lines)")
@@ -91,12 +100,14 @@ def test_long_modules_say_why():
 
 
 def _module_name(layer: str, path: Path) -> str:
-    pkg = "remat" if layer == "remat" else f"remat.{layer}"
-    return pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
+    parts = list(path.relative_to(ROOT / layer).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["remat"] + ([] if layer == "remat" else [layer]) + parts)
 
 
 def _module_files() -> dict[str, Path]:
-    return {_module_name(layer, p): p for layer in LAYERS for p in sorted((ROOT / layer).glob("*.py"))}
+    return {_module_name(layer, p): p for layer in LAYERS for p in _files(layer)}
 
 
 def _imported(path: Path, known: dict[str, Path]) -> set[str]:
@@ -134,7 +145,7 @@ def _third_party(path: Path) -> set[str]:
 
 
 def test_solver_and_core_need_no_torch():
-    bad = [f"{layer}/{p.name}" for layer in ("core", "solver") for p in sorted((ROOT / layer).glob("*.py"))
+    bad = [str(p.relative_to(ROOT)) for layer in ("core", "solver") for p in _files(layer)
            if "torch" in _third_party(p)]
     assert not bad, f"these modules import torch (the solver sees only TrainingGraphs): {bad}"
     graph = import_graph()
@@ -175,3 +186,14 @@ def test_every_error_and_warning_has_remats_base():
                     and not attr.startswith("_") and not issubclass(obj, (RematError, RematWarning)):
                 stray.append(f"{name}.{attr}")
     assert not stray, f"errors and warnings without RematError / RematWarning as a base: {stray}"
+
+
+def test_pulp_is_imported_only_by_the_milps_backends():
+    importers = sorted(str(p.relative_to(ROOT)) for layer in LAYERS for p in _files(layer) if "pulp" in _third_party(p))
+    assert importers == ["solver/checkmate/backends.py"], importers
+
+
+def test_the_checks_see_subpackages():
+    known = _module_files()
+    assert "remat.solver.checkmate" in known and "remat.solver.checkmate.relaxation" in known
+    assert "remat.solver.checkmate.milp_model" in _imported(known["remat.solver.checkmate.milp"], known)

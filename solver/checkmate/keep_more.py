@@ -1,6 +1,6 @@
 """Local improvement of a plan read off the relaxation: keep a dropped value when that is cheaper.
 
-A plan read off an LP solution (solver/guided.py) drops some values the LP kept only in part; the
+A plan read off an LP solution (solver/checkmate/guided.py) drops some values the LP kept only in part; the
 schedule then recomputes them, and with them every dropped value they are computed from, right
 before each read. Dropping a cheap value (a residual add) can so cost an expensive recomputation
 (the matmul it adds). `keep_more` tries, most expensive recomputation chain first, to keep each

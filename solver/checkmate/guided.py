@@ -1,4 +1,4 @@
-"""Plans read off the relaxation's solution (solver/relaxation.py), then made to fit and refined.
+"""Plans read off the relaxation's solution (solver/checkmate/relaxation.py), then made to fit and refined.
 
 The relaxation says, at each row where it models a value, whether the value is live after that
 row. `schedule_from_live` turns that into a schedule: the graph's nodes in order, a value dropped
@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from remat.core.training_graph import TrainingGraph
-from remat.solver.keep_more import keep_more
+from remat.solver.checkmate.keep_more import keep_more
 from remat.solver.refine import drop_recomputations, prune_unread
-from remat.solver.relaxation import SAFETY, Relaxation
+from remat.solver.checkmate.relaxation import SAFETY, Relaxation
 from remat.core.simulator import simulate
 
 __all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS", "REFINED",

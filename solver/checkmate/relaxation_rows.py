@@ -1,4 +1,4 @@
-"""The rows of the relaxation (solver/relaxation.py, whose docstring states each fact): states row
+"""The rows of the relaxation (solver/checkmate/relaxation.py, whose docstring states each fact): states row
 by row and the sitting states, the links between consecutive states of a group, the memory rows,
 and the cost.
 """

@@ -1,4 +1,4 @@
-"""A lower bound that certifies: branch and bound over the relaxation's LP (solver/relaxation.py).
+"""A lower bound that certifies: branch and bound over the relaxation's LP (solver/checkmate/relaxation.py).
 
 The LP of the relaxation is fractional where a memory row is a knapsack: a value recomputed 0.23
 times, or half-recomputed in two places. Branching on single variables rarely moves the bound on a
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from remat.solver.relaxation import Relaxation
+from remat.solver.checkmate.relaxation import Relaxation
 
 __all__ = ["Certificate", "certify", "classes", "STALL", "STALL_RISE", "SIMPLEX_REPORT", "WORK_FLOOR"]
 

@@ -1,6 +1,6 @@
 """A small sparse LP/MILP builder run on HiGHS (highspy), for models too large to build in PuLP.
 
-The relaxation in solver/bounds.py has tens of thousands of variables; PuLP builds such a model one
+The relaxation in solver/checkmate/bounds.py has tens of thousands of variables; PuLP builds such a model one
 Python object per coefficient. Here variables and rows are plain lists, handed to HiGHS in one
 `passModel` call. Solves are deterministic: one thread, a fixed seed, and (unless the caller gives
 a wall-clock limit) only work limits.
@@ -99,7 +99,7 @@ class SparseModel:
         model's own (the branch-and-bound's class rows)."""
         import highspy
 
-        from remat.solver.backends import new_highs
+        from remat.solver.checkmate.backends import new_highs
 
         h = new_highs(highspy) if not msg else highspy.Highs()
         h.setOptionValue("output_flag", bool(msg))

@@ -21,7 +21,7 @@ a 0/1 point of the model at an objective no higher than its extra cost (each r[v
 one recomputation of v), so the model's LP optimum, or its MILP's dual bound, is a lower bound on
 the extra cost of every schedule whose first computations follow the graph's order, and the
 largest over the rows is one too. The model has a few variables per node before t, where the
-relaxation of the whole step (solver/relaxation.py) has some per node and step.
+relaxation of the whole step (solver/checkmate/relaxation.py) has some per node and step.
 
 Several rows together (`rows_model`) share their nodes: between consecutive rows j and j + 1 a
 node is computed again or not (s[j, v]), each row keeps its own constraints, and the objective
@@ -49,11 +49,11 @@ from dataclasses import dataclass, field
 from remat.core.progress import stage
 from remat.core.simulator import last_reads, parts_read, simulate
 from remat.core.training_graph import TrainingGraph
-from remat.solver.guided import fit
+from remat.solver.checkmate.guided import fit
 from remat.solver.refine import drop_recomputations
-from remat.solver.relaxation import SAFETY
+from remat.solver.checkmate.relaxation import SAFETY
 from remat.solver.schedule import keep_all_schedule
-from remat.solver.sparse_lp import SparseModel
+from remat.solver.checkmate.sparse_lp import SparseModel
 
 __all__ = ["Row", "RowsModel", "PeakRowsResult", "over_budget_rows", "rows_model", "peak_rows_search", "MAX_ROWS",
            "SINGLE_MILPS", "SINGLE_MAX_NODES", "MILP_SAFETY", "point_of_schedule", "peak_floor", "lowest_peak_by_rows"]

@@ -1,8 +1,8 @@
 """The certified search of the checkmate strategy: plans read off the relaxation, and a bound.
 
-On the fine graph: build the relaxation (solver/relaxation.py), then branch and bound on its LP
-(solver/certify.py). Every LP solution the search visits (the root, then a few more nodes below
-the incumbent) is turned into plans (solver/guided.py: thresholds, made to fit, refined), and the
+On the fine graph: build the relaxation (solver/checkmate/relaxation.py), then branch and bound on its LP
+(solver/checkmate/branch_and_bound.py). Every LP solution the search visits (the root, then a few more nodes below
+the incumbent) is turned into plans (solver/checkmate/guided.py: thresholds, made to fit, refined), and the
 cheapest plan that fits is the incumbent, which prunes the search. The search stops when the
 bound is within `mip_gap` of the incumbent, when its deterministic work limits are spent (simplex
 iterations: at most WORK_FACTOR root LPs' worth and WORK_ROWS / rows; and MAX_LPS LPs), or at the
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from remat.core.progress import stage
 from remat.core.training_graph import TrainingGraph
-from remat.solver.bounds import safe_bound
-from remat.solver.certify import certify
-from remat.solver.guided import best_guided
-from remat.solver.relaxation import Relaxation
+from remat.solver.checkmate.bounds import safe_bound
+from remat.solver.checkmate.branch_and_bound import certify
+from remat.solver.checkmate.guided import best_guided
+from remat.solver.checkmate.relaxation import Relaxation
 from remat.core.simulator import simulate
 
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
@@ -39,7 +39,7 @@ WORK_ROWS = 6e9  # ... and at most WORK_ROWS / rows iterations (an iteration's c
 # Graphs over this size never get the whole step's relaxation (this search, and the lowest peak's):
 # it grows with nodes times the steps they live (Llama-3.2-1B's 1,825 nodes: 2.1M variables and
 # minutes; Mistral-7B's 3,601 at its smallest budget: over 16 GB before its first LP). The rows'
-# bound and plans (solver/peak_rows.py) answer there, with the gap they prove.
+# bound and plans (solver/checkmate/peak_rows.py) answer there, with the gap they prove.
 RELAXATION_MAX_NODES = 1000
 # ... and a relaxation built over this many variables is not solved: its root LP alone would take
 # many minutes on one core. Below it the root LP can take tens of seconds already (T5, 748 nodes:

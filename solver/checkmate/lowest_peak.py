@@ -3,10 +3,10 @@ bound on any plan's peak.
 
 Candidates, whichever peaks lowest on the fine graph: equal_spacing's lowest-peak plan, on small
 coarse graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
-minimise M), each with its peak then lowered by local moves (solver/peak_relief.py), and where
+minimise M), each with its peak then lowered by local moves (solver/checkmate/peak_relief.py), and where
 those stay more than CLOSE_TO_FLOOR above the rows' floor the relaxation's low-peak schedule
-(solver/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the rows'
-instead, solver/peak_rows.py `lowest_peak_by_rows`); on graphs up to DESCEND_MAX_NODES nodes the
+(solver/checkmate/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the rows'
+instead, solver/checkmate/peak_rows.py `lowest_peak_by_rows`); on graphs up to DESCEND_MAX_NODES nodes the
 certified search then tries to go lower.
 plan.details["peak_lower_bound"] is the rows' floor, or the relaxation's bound where it ran and
 is higher: no schedule whose first computations follow the graph's order peaks below it, so a
@@ -24,23 +24,20 @@ from dataclasses import replace
 
 from remat.core.training_graph import TrainingGraph
 from remat.solver import equal_spacing
-from remat.solver.backends import Limits, default_backend
-from remat.solver.checkmate_attempts import cut_to_deadline, make_limits, solve_milp, warn_fallback
-from remat.solver.checkmate_model import build_model, memory_unit, milp_peak, set_start, solution_stages
-from remat.solver.checkmate_stages import (DEFAULT_COARSEN_TO, baseline_schedules, coarse_graph,
-                                           plan_from_stages, stages_of)
-from remat.solver.checkmate_certified import RELAXATION_MAX_NODES, certified_search
-from remat.solver.guided import descend, lowest_peak_search
-from remat.solver.peak_relief import relieve_peak
-from remat.solver.peak_rows import lowest_peak_by_rows, peak_floor
+from remat.solver.checkmate.backends import Limits, default_backend
+from remat.solver.checkmate.milp import milp_gate, min_peak_plan
+from remat.solver.checkmate.milp_attempts import cut_to_deadline, make_limits, warn_fallback
+from remat.solver.checkmate.milp_stages import DEFAULT_COARSEN_TO, coarse_graph
+from remat.solver.checkmate.certified_search import RELAXATION_MAX_NODES, certified_search
+from remat.solver.checkmate.guided import descend, lowest_peak_search
+from remat.solver.checkmate.peak_relief import relieve_peak
+from remat.solver.checkmate.peak_rows import lowest_peak_by_rows, peak_floor
 from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
 
-__all__ = ["min_feasible_budget", "lowest_peak_plan", "min_peak_plan", "MILP_MAX_COARSE_NODES", "CLOSE_TO_FLOOR",
-           "DESCEND_MAX_NODES"]
+__all__ = ["min_feasible_budget", "lowest_peak_plan", "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES"]
 
-MILP_MAX_COARSE_NODES = 64  # the min-peak MILP runs on coarse graphs up to this size
 # on graphs up to DESCEND_MAX_NODES nodes the lowest peak is pushed down by the certified search
 # (above it, on eight models of 141-748 nodes, U-Net, the GPTs, ViT, BERT, Qwen2, T5, ResNet-50,
 # two steps of it took 5-90 s and lowered no peak) ...
@@ -49,25 +46,6 @@ DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
 # the relaxation's lowest-peak bisection runs only where the best candidate's peak is further than
 # this above the proven floor (what it could win at most)
 CLOSE_TO_FLOOR = 0.001
-
-
-def min_peak_plan(graph: TrainingGraph, g: TrainingGraph, backend: str, limits: Limits,
-                  attempts_log: list) -> Plan | None:
-    """Minimise M >= U[t,k] + workspace + kept + resident over the MILP's space (no budget)."""
-    t0 = time.perf_counter()
-    total = g.resident_bytes + sum(v.out_bytes + v.kept_bytes + max(v.workspace_bytes, 0)
-                                   for v in g.nodes)
-    unit = memory_unit(total, g)
-    model = build_model(g, None, unit, minimise_peak=True)
-    base = min(baseline_schedules(graph, g), key=lambda ns: simulate(g, ns[1]).peak_bytes)
-    stages = stages_of(g, base[1])
-    warm = stages is not None and set_start(model, stages)
-    out = solve_milp(model, backend, replace(limits, mip_gap=None), warm, False, attempts_log)
-    if out.status not in ("optimal", "feasible"):
-        return None
-    return plan_from_stages(graph, g, solution_stages(model), strategy="checkmate", budget=None,
-                            status=out.status, t0=t0, gap=out.gap,
-                            details={"milp_peak_bytes": milp_peak(model), "coarse_nodes": len(g.nodes)})
 
 
 # lowest-peak plans per (graph object, options): min_feasible_budget and solve's last fallback read
@@ -92,7 +70,7 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     g = coarse_graph(graph, coarsen_to)
     log: list = []
     cands: list = []  # (peak, source, Plan)
-    if len(g.nodes) <= MILP_MAX_COARSE_NODES:
+    if milp_gate(len(g.nodes), "auto") is None:
         milp = min_peak_plan(graph, g, name, cut_to_deadline(limits, deadline), log)
         if milp is not None:
             cands.append((milp.predicted_peak_bytes, "min_peak_milp", milp))
@@ -150,7 +128,7 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
 
 
 def _relieved(graph: TrainingGraph, peak: int, source: str, plan: Plan) -> tuple[int, str, Plan]:
-    """The candidate with its peak lowered by local moves (solver/peak_relief.py), then its
+    """The candidate with its peak lowered by local moves (solver/checkmate/peak_relief.py), then its
     recomputations that the lower peak does not need dropped; the candidate itself when that
     lowers nothing."""
     sched = relieve_peak(graph, plan.schedule)

@@ -14,7 +14,7 @@ import time
 
 from remat.core.training_graph import TrainingGraph
 from remat.solver import equal_spacing
-from remat.solver.coarsen import coarsen, expand_schedule
+from remat.solver.checkmate.coarsen import coarsen, expand_schedule
 from remat.core.plan import Plan, plan_from_schedule
 from remat.solver.refine import prune_unread
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
@@ -27,7 +27,7 @@ DEFAULT_COARSEN_TO = 90  # coarse nodes: the MILP's size grows with the square o
 
 
 def coarse_graph(graph: TrainingGraph, coarsen_to: int | None) -> TrainingGraph:
-    """The graph the MILP works on: `graph` coarsened to `coarsen_to` nodes (solver/coarsen.py),
+    """The graph the MILP works on: `graph` coarsened to `coarsen_to` nodes (solver/checkmate/coarsen.py),
     or `graph` itself when it is no larger or coarsen_to is None."""
     if coarsen_to is None or len(graph.nodes) <= coarsen_to:
         return graph

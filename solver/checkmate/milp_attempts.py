@@ -1,7 +1,7 @@
 """Running Checkmate's MILP: the backends tried in turn, the deterministic work limit, and the
 warning given when the answer does not come from the backend asked for.
 
-Solving (solver/backends.py): HiGHS by default, CBC as the fallback, each try recorded in
+Solving (solver/checkmate/backends.py): HiGHS by default, CBC as the fallback, each try recorded in
 plan.details["attempts"]. The default limit is a node count, not wall clock, so the plan does not
 depend on the machine's load.
 """
@@ -12,9 +12,9 @@ import warnings
 from dataclasses import replace
 
 from remat.core.errors import RematWarning
-from remat.solver.backends import BackendError, Limits, Outcome, attempts
-from remat.solver.backends import run as run_backend
-from remat.solver.checkmate_model import MilpModel
+from remat.solver.checkmate.backends import BackendError, Limits, Outcome, attempts
+from remat.solver.checkmate.backends import run as run_backend
+from remat.solver.checkmate.milp_model import MilpModel
 
 __all__ = ["NODE_WORK", "MIN_NODES", "POLISH_RESERVE_S", "SolverFallbackWarning", "warn_fallback",
            "node_limit", "make_limits", "cut_to_deadline", "solve_milp"]

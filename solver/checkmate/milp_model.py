@@ -1,5 +1,5 @@
 """Checkmate's MILP (Jain et al., MLSys 2020) over a (coarse) graph, as a PuLP model: building it,
-setting a warm start, and reading a solution back. solver/checkmate.py solves it.
+setting a warm start, and reading a solution back. solver/checkmate/strategy.py solves it.
 
 Variables, for stages t = 0..n-1 over the coarse nodes 0..n-1 in topological order:
   R[t,i]      binary: node i is computed in stage t
@@ -23,8 +23,9 @@ import math
 from dataclasses import dataclass, field
 
 from remat.core.training_graph import TrainingGraph
+from remat.solver.checkmate.backends import import_pulp
 
-__all__ = ["MilpModel", "build_model", "set_start", "solution_stages", "milp_peak", "memory_unit"]
+__all__ = ["MilpModel", "build_model", "set_start", "solution_stages", "milp_peak", "objective_value", "memory_unit"]
 
 
 @dataclass
@@ -99,7 +100,7 @@ def _shape(g: TrainingGraph, unit: int) -> _Shape:
 def _rs_variables(sh: _Shape) -> tuple[dict, dict]:
     """R[t,i] and S[t,i] where they may be 1: a constant 1 where the value is fixed (i's own stage;
     a keep forced by a non-recomputable reader), a binary elsewhere, absent (0) otherwise."""
-    import pulp
+    pulp = import_pulp()
 
     R: dict = {}
     S: dict = {}
@@ -126,7 +127,7 @@ def _objective(m: MilpModel, minimise_peak: bool):
 
     min sum_t sum_i cost_i * R[t,i]; the constant first computations are left out, so the objective
     is the extra cost and a relative MIP gap is relative to it."""
-    import pulp
+    pulp = import_pulp()
 
     if minimise_peak:
         M = pulp.LpVariable("M", lowBound=0)
@@ -139,7 +140,7 @@ def _objective(m: MilpModel, minimise_peak: bool):
 def _dependency_rows(m: MilpModel, sh: _Shape) -> int:
     """A node is computed only when its inputs are in memory: R[t,k] <= R[t,i] + S[t,i] for every
     edge (i,k). Rows with a constant 1 on the right always hold and are left out. Returns the count."""
-    import pulp
+    pulp = import_pulp()
 
     cons = 0
     for t, st in enumerate(m.stages):
@@ -158,7 +159,7 @@ def _dependency_rows(m: MilpModel, sh: _Shape) -> int:
 def _carry_rows(m: MilpModel) -> int:
     """A value is kept into a stage only if it was kept or computed in the stage before:
     S[t+1,i] <= S[t,i] + R[t,i]. Returns the count."""
-    import pulp
+    pulp = import_pulp()
 
     cons = 0
     for (t, i), s in m.S.items():
@@ -176,7 +177,7 @@ def _dominance_rows(m: MilpModel, sh: _Shape) -> int:
     """Dominance cuts (they remove only wasteful points, never an optimum): R[t,i] + S[t,i] <= 1
     (never recompute a value already kept), and S[t,i] <= S[t+1,i] + sum_{j users of i} R[t,j]
     (keep only what is read or kept on). Returns the count."""
-    import pulp
+    pulp = import_pulp()
 
     cons = 0
     for (t, i), s in m.S.items():
@@ -220,7 +221,7 @@ def _accounting_row(m: MilpModel, sh: _Shape, kept_t: list, t: int, kp: int | No
     """Make U[t,k], the units in memory after k runs in stage t: U[t,k1] = sum_i mem_i S[t,i] +
     mem_k1 R[t,k1]; U[t,k_{j+1}] = U[t,k_j] - sum_{i in inputs(k_j) + {k_j}} mem_i FREE[t,i,k_j]
     + mem R[t,k_{j+1}] (kp = k_j, the node before k in the stage, None for the first). Returns 1."""
-    import pulp
+    pulp = import_pulp()
 
     mem = sh.mem
     u = pulp.LpVariable(f"U_{t}_{k}", lowBound=0)
@@ -255,7 +256,7 @@ def _free_rows(m: MilpModel, sh: _Shape, t: int, k: int, in_stage: set) -> int:
     FREE[t,i,k] = R[t,k] (1 - S[t+1,i]) prod_{j users of i, j > k} (1 - R[t,j]), as
     FREE <= R[t,k]; FREE <= 1 - S[t+1,i]; FREE <= 1 - R[t,j]; FREE >= R[t,k] - S[t+1,i] - sum_j R[t,j].
     Returns the count."""
-    import pulp
+    pulp = import_pulp()
 
     cons = 0
     R = m.R
@@ -286,7 +287,7 @@ def _free_rows(m: MilpModel, sh: _Shape, t: int, k: int, in_stage: set) -> int:
 def build_model(g: TrainingGraph, budget_bytes: int | None, unit: int, *, minimise_peak: bool = False) -> MilpModel:
     """The MILP over `g` in memory units of `unit` bytes: minimise the extra compute cost with every
     step within `budget_bytes`, or (minimise_peak, budget None) minimise the peak M."""
-    import pulp
+    pulp = import_pulp()
 
     sh = _shape(g, unit)
     R, S = _rs_variables(sh)
@@ -376,6 +377,13 @@ def solution_stages(model: MilpModel) -> list[list[int]]:
     for st in out:
         st.sort()
     return out
+
+
+def objective_value(model: MilpModel) -> float | None:
+    """The objective's value at the solution the backend left in the model (PuLP's reading)."""
+    pulp = import_pulp()
+
+    return pulp.value(model.prob.objective)
 
 
 def milp_peak(model: MilpModel) -> int:

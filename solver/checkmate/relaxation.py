@@ -55,8 +55,8 @@ import bisect
 import math
 
 from remat.core.training_graph import TrainingGraph
-from remat.solver.relaxation_rows import build_rows
-from remat.solver.sparse_lp import SparseModel
+from remat.solver.checkmate.relaxation_rows import build_rows
+from remat.solver.checkmate.sparse_lp import SparseModel
 
 __all__ = ["Relaxation", "group_ranges", "forward_cuts", "long_lived", "groups_of", "SAFETY", "MIN_SIT"]
 

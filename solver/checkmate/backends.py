@@ -22,10 +22,11 @@ import math
 import os
 import re
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["Limits", "Outcome", "BackendError", "BACKENDS", "available", "default_backend",
+__all__ = ["Limits", "Outcome", "BackendError", "BACKENDS", "import_pulp", "available", "default_backend",
            "attempts", "run", "new_highs"]
 
 BACKENDS = ("highs", "cbc")  # in order of preference: the first available one is the default
@@ -58,6 +59,32 @@ class Outcome:
     stopped_by: str | None = None  # which limit stopped the search, when one did
 
 
+@functools.lru_cache(maxsize=None)
+def import_pulp():
+    """PuLP, imported the first time it is needed, from a thread of its own. PuLP's first import
+    keeps an exception (COPT's library not found: `pulp.apis.copt_api.COPT_DLL.err`) whose
+    traceback holds every frame of the stack that imported it: imported inside a user's function
+    (remat.optimize's first solve), that function's locals (the model, its parameters on the GPU)
+    would never be freed. A thread's stack holds nothing of the caller's. Only the MILP needs PuLP
+    (this module and milp_model.py); the certified search calls HiGHS directly."""
+    found: dict = {}
+
+    def run():
+        try:
+            import pulp
+
+            found["module"] = pulp
+        except ImportError as e:
+            found["error"] = str(e)
+
+    t = threading.Thread(target=run, name="remat-import-pulp")
+    t.start()
+    t.join()
+    if "error" in found:
+        raise ImportError(f"the MILP needs PuLP (pip install pulp): {found['error']}")
+    return found["module"]
+
+
 def available(backend: str) -> bool:
     """Whether `backend` can run here (highspy importable; PuLP's bundled CBC present)."""
     return _available(backend)
@@ -72,7 +99,7 @@ def _available(backend: str) -> bool:
             return False
         return True
     if backend == "cbc":
-        import pulp
+        pulp = import_pulp()
 
         try:
             with warnings.catch_warnings():
@@ -126,7 +153,7 @@ def run(prob, backend: str, limits: Limits, *, warm: bool = False, msg: bool = F
 def _run_highs(prob, limits: Limits, warm: bool, msg: bool) -> Outcome:
     import highspy
     import numpy as np
-    import pulp
+    pulp = import_pulp()
 
     variables = prob.variables()
     col = {v.name: j for j, v in enumerate(variables)}
@@ -205,7 +232,7 @@ def _check(status, what: str) -> None:
 # ---- CBC ------------------------------------------------------------------------------------------
 
 def _run_cbc(prob, limits: Limits, warm: bool, msg: bool) -> Outcome:
-    import pulp
+    pulp = import_pulp()
 
     # every file CBC reads or writes lives in this directory, removed even when CBC crashes
     with tempfile.TemporaryDirectory(prefix="remat_cbc_") as tmp:

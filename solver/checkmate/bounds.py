@@ -1,6 +1,6 @@
 """Lower bounds on the extra cost of any plan under a budget.
 
-`lower_bound` solves the relaxation of solver/relaxation.py (whose docstring says why every
+`lower_bound` solves the relaxation of solver/checkmate/relaxation.py (whose docstring says why every
 schedule is a point of it): its LP optimum, or the dual bound of its MILP after a node limit, is a
 proven lower bound on the extra cost of every schedule whose first computations follow the graph's
 order and whose simulated peak is within the budget. `point_of_schedule` maps a real schedule to
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.core.training_graph import TrainingGraph
-from remat.solver.relaxation import SAFETY, Relaxation
-from remat.solver.sparse_lp import Solution
+from remat.solver.checkmate.relaxation import SAFETY, Relaxation
+from remat.solver.checkmate.sparse_lp import Solution
 
 __all__ = ["BoundResult", "lower_bound", "peak_lower_bound", "safe_bound", "solve_relaxation", "point_of_schedule"]
 

@@ -1,0 +1,90 @@
+"""checkmate's second stage: the proven lower bound on any plan's extra cost, and the plans its
+searches find on the way.
+
+First the rows over the budget (solver/checkmate/peak_rows.py): for each step that keeping
+everything puts over the budget, a small model of what any plan must hold or recompute there. Where
+their bound already proves the best candidate within `mip_gap`, or the graph is too large for the
+whole step's relaxation (RELAXATION_MAX_NODES), that is the certificate; otherwise the certified
+search runs (solver/checkmate/certified_search.py: the relaxation's LP, branch and bound on it,
+plans read off its solutions), started from the candidates, and the larger bound of the two holds.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from remat.core.simulator import simulate
+from remat.core.training_graph import TrainingGraph
+from remat.solver.checkmate.candidates import Refined
+from remat.solver.checkmate.certified_search import RELAXATION_MAX_NODES, certified_search
+from remat.solver.checkmate.peak_rows import peak_rows_search
+
+__all__ = ["Certificate", "certify", "ROWS_SOURCE"]
+
+ROWS_SOURCE = "peak rows: the row models of the steps keep-all puts over the budget"
+TINY = 1e-12
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """The second stage's result: the proven lower bound on the extra cost of any plan (math.inf:
+    no schedule fits), whether the budget is proven infeasible, the plans the searches found
+    ("peak_rows", "relaxation"), and their records for plan.details."""
+
+    bound: float = 0.0
+    proven_infeasible: bool = False
+    plans: dict[str, Refined] = field(default_factory=dict)
+    rows: dict | None = None  # the rows' record (peak_rows_search's details)
+    search: dict | None = None  # the certified search's record, where it ran
+    bound_source: str | None = None  # what gave the bound
+    certify_skipped: str | None = None  # why the certified search did not run on a large graph
+
+    def details(self) -> dict:
+        """The certificate's keys of plan.details (core/plan_details.py)."""
+        out: dict = {}
+        if self.rows is not None:
+            out["peak_rows"] = self.rows
+        out.update(self.search or {})
+        if self.bound_source is not None:
+            out["bound_source"] = self.bound_source
+        if self.certify_skipped is not None:
+            out["certify_skipped"] = self.certify_skipped
+        return out
+
+
+def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined], *, mip_gap: float,
+            max_iterations: int | None, deadline: float | None) -> Certificate:
+    """The bound under `budget_bytes`, given the refined candidates (see the module docstring)."""
+    def best_cost(plans: dict[str, Refined]) -> float:
+        return min((r.sim.extra_cost for r in plans.values() if r.sim.peak_bytes <= budget_bytes), default=math.inf)
+
+    known = dict(refined)
+    left = None if deadline is None else max(0.5, deadline - time.perf_counter())
+    rows = peak_rows_search(graph, budget_bytes, incumbent=best_cost(known), mip_gap=mip_gap, time_limit_s=left)
+    if math.isinf(rows.bound):
+        return Certificate(rows.bound, True, rows=rows.details,
+                           bound_source=f"peak rows: no schedule fits at {rows.details['infeasible_row']}")
+    plans = {}
+    if rows.schedule is not None:
+        plans["peak_rows"] = known["peak_rows"] = Refined(rows.schedule, simulate(graph, rows.schedule))
+    best = best_cost(known)
+    large = len(graph.nodes) > RELAXATION_MAX_NODES
+    if best - rows.bound <= mip_gap * best + TINY or large:
+        skipped = (f"{len(graph.nodes)} nodes > {RELAXATION_MAX_NODES}: the whole step's relaxation is not built "
+                   "(millions of variables and GBs at this size)") if large else None
+        return Certificate(rows.bound, False, plans, rows.details, bound_source=ROWS_SOURCE, certify_skipped=skipped)
+    left = None if deadline is None else max(0.5, deadline - time.perf_counter())
+    res = certified_search(graph, budget_bytes, starts=[(n, r.schedule) for n, r in known.items()],
+                           mip_gap=mip_gap, max_iterations=max_iterations, time_limit_s=left)
+    search = dict(res.details)
+    if res.schedule is not None and search.get("plan_source") == "relaxation":
+        plans["relaxation"] = Refined(res.schedule, simulate(graph, res.schedule))
+    # the search's own words say which relaxation and how many LPs, unless the rows' bound is higher
+    source = search.pop("bound_source", None)
+    skipped = search.pop("certify_skipped", None)
+    if math.isinf(res.bound):
+        return Certificate(res.bound, True, plans, rows.details, search, source, skipped)
+    if rows.bound > res.bound:
+        source = ROWS_SOURCE
+    return Certificate(max(res.bound, rows.bound), False, plans, rows.details, search, source, skipped)
