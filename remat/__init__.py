@@ -19,13 +19,14 @@ from remat.runtime.compile import CompiledPeakWarning
 from remat.runtime.module import OutsideBudgetWarning, PlanCacheLimitWarning, RematModule
 from remat.deployment import load_plan
 from remat.planning import plan
+from remat.settings import CaptureOptions, Solver
 from remat.core.plan import PlanMismatchError
 from remat.solver.checkmate import SolverFallbackWarning
 from remat.core.plan import Plan, PlanFileError, PlanStatus
 from remat.solver.revolve import NotAChainError
 from remat.validate import RematArgumentError, RematArgumentTypeError
 
-__all__ = ["optimize", "plan", "capture", "solve", "RematModule", "BlockwiseModule", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
+__all__ = ["optimize", "plan", "capture", "solve", "Solver", "CaptureOptions", "RematModule", "BlockwiseModule", "measure_peak", "count_flops", "resident_bytes", "Plan", "PlanStatus",
            "load_plan",
            # the errors and warnings remat documents (README: "What remat refuses"), and their bases
            "RematError", "RematWarning",

@@ -16,6 +16,7 @@ from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, call_key, describe_key,
                                   model_device_types)
 from remat.core.plan import InfeasibleBudgetError, Plan
+from remat.settings import CaptureOptions, Solver, settle
 from remat.solving import solve
 from remat.validate import budget_in_bytes, check_capture_args, check_optimize_args, example_arguments
 
@@ -37,11 +38,19 @@ def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None =
 
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
              example_kwargs: dict | None = None, budget_bytes: int | None = None,
-             solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | str | os.PathLike | None = None,
-             fused_attention: bool | str = True, solve_on_rank: int | None = None, quiet: bool = False,
-             cost_model: str = "flops", compiled: bool = False, cache_limit: int = DEFAULT_CACHE_LIMIT,
+             solver: str | Solver = "checkmate", capture: CaptureOptions | None = None,
+             plan: Plan | str | os.PathLike | None = None, compiled: bool = False,
+             cache_limit: int = DEFAULT_CACHE_LIMIT, solve_on_rank: int | None = None, quiet: bool = False,
+             time_limit_s: float | None = None, fused_attention: bool | str = True, cost_model: str = "flops",
              **solver_kwargs) -> RematModule | BlockwiseModule:
     """Return a drop-in module whose training steps peak under the budget.
+
+    The settings come in groups (remat/settings.py): the budget (`budget_gb` or `budget_bytes`),
+    the solver (`solver=remat.Solver("checkmate", time_limit_s=..., **its options)`, or its name
+    with `time_limit_s` and its options as keywords), the capture
+    (`capture=remat.CaptureOptions(fused_attention=..., cost_model=...)`, or those two as
+    keywords), and how the module runs (`plan`, `compiled`, `cache_limit`, `solve_on_rank`,
+    `quiet`).
 
     The budget is the real peak of one training step, forward and backward: parameters,
     buffers, inputs, activations, temporaries and the gradients produced so far (optimizer state
@@ -85,6 +94,10 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     random state are left as they were), so the returned module's compiled step fits the budget on
     these inputs, recomputing least of the plans tried (`module.compiled_fit` lists each round's
     plan budget and measured peak), or InfeasibleBudgetError says what each round measured."""
+    chosen, how = settle(solver, time_limit_s, solver_kwargs, capture, fused_attention=fused_attention,
+                         cost_model=cost_model)
+    solver, time_limit_s, solver_kwargs = chosen.name, chosen.time_limit_s, chosen.kwargs
+    fused_attention, cost_model = how.fused_attention, how.cost_model
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
                         plan, fused_attention, solver_kwargs, cost_model, compiled, solve_on_rank, cache_limit)
     budget = budget_in_bytes(budget_gb, budget_bytes)  # None: keep_all with no budget, or a saved plan's

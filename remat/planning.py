@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from remat.api import solve
+from remat.settings import CaptureOptions, Solver, settle
 from remat.core import progress
 from remat.graph_capture.fake_capture import capture_without_memory, planned_device
 from remat.graph_capture.scaled_workspace import ProbeLimits
@@ -56,9 +57,9 @@ def _limits(probe_limit_bytes: Any) -> ProbeLimits:
 
 
 def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, *, budget_bytes: int | None = None,
-         device="cpu", example_kwargs: dict | None = None, solver: str = "checkmate",
-         time_limit_s: float | None = None, fused_attention: bool | str = True,
-         probe_limit_bytes: int | None = None, quiet: bool = False, **solver_kwargs) -> Plan:
+         device="cpu", example_kwargs: dict | None = None, solver: str | Solver = "checkmate",
+         capture: CaptureOptions | None = None, probe_limit_bytes: int | None = None, quiet: bool = False,
+         time_limit_s: float | None = None, fused_attention: bool | str = True, **solver_kwargs) -> Plan:
     """Plan one training step of `model` under the budget for `device`, without allocating the
     step's memory: `model` may live on the meta device or be made of fake tensors, and
     `example_inputs` may be meta or fake tensors (only shapes, strides and dtypes are read).
@@ -73,10 +74,16 @@ def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, 
     causal mask among them is not proven causal, so attention reading it stays unfused, and the
     plan will not match the real model's graph if the real mask fuses it (build such a mask in
     `forward`, use `scaled_dot_product_attention(is_causal=True)`, or give the model real buffers).
-    The budget, solver, options and `quiet` are `remat.optimize`'s. Deploy the plan with
+    The budget, the solver and capture settings (as groups or keywords) and `quiet` are
+    `remat.optimize`'s (a plan made here is traced with the "flops" cost model). Deploy the plan with
     `remat.optimize(model, example_inputs=..., plan=plan)` on the real model and inputs of the same
     shapes: it is judged again there, with every workspace measured."""
     # remat.optimize's checks (a budget is required), before any tracing
+    chosen, how = settle(solver, time_limit_s, solver_kwargs, capture, fused_attention=fused_attention)
+    solver, time_limit_s, solver_kwargs, fused_attention = chosen.name, chosen.time_limit_s, chosen.kwargs, \
+        how.fused_attention
+    if how.cost_model != "flops":
+        raise RematArgumentError("remat.plan plans without the memory, so it cannot time ops: cost_model='flops' only")
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
                         None, fused_attention, solver_kwargs)
     budget = budget_in_bytes(budget_gb, budget_bytes)

@@ -16,7 +16,8 @@ import os
 from typing import Any
 
 __all__ = ["RematArgumentError", "RematArgumentTypeError", "budget_in_bytes", "check_optimize_args",
-           "check_capture_args", "check_solve_args", "check_solver", "example_arguments"]
+           "check_capture_args", "check_solve_args", "check_solver", "check_time_limit", "check_cost_model",
+           "check_fused_attention", "example_arguments"]
 
 GB = 1e9  # budget_gb is in units of 10^9 bytes
 
@@ -72,7 +73,8 @@ def budget_in_bytes(budget_gb: Any = None, budget_bytes: Any = None) -> int | No
     return None
 
 
-def _time_limit(time_limit_s: Any) -> None:
+def check_time_limit(time_limit_s: Any) -> None:
+    """A wall-clock limit in seconds: positive, or None (the solver's deterministic work limits)."""
     if time_limit_s is None:  # no wall-clock limit: the solver's deterministic work limits
         return
     if _real("time_limit_s", time_limit_s) <= 0:
@@ -98,7 +100,8 @@ def check_solver(solver: Any, solver_kwargs: dict) -> None:
         raise RematArgumentError(str(e)) from e
 
 
-def _fused_attention(fused_attention: Any) -> None:
+def check_fused_attention(fused_attention: Any) -> None:
+    """A fused_attention mode (attention/router.py)."""
     from remat.attention.router import fused_attention_mode
 
     try:
@@ -108,7 +111,8 @@ def _fused_attention(fused_attention: Any) -> None:
                                  f"got {fused_attention!r}") from None
 
 
-def _cost_model(cost_model: Any) -> None:
+def check_cost_model(cost_model: Any) -> None:
+    """One of the cost models the solver can minimise (graph_capture/op_timing.py)."""
     from remat.graph_capture.op_timing import COST_MODELS
 
     if not isinstance(cost_model, str):
@@ -166,8 +170,8 @@ def check_capture_args(model: Any, example_inputs: Any, example_kwargs: Any = No
     """The arguments of `remat.capture`."""
     _model(model)
     _example_inputs(example_inputs, example_kwargs)
-    _fused_attention(fused_attention)
-    _cost_model(cost_model)
+    check_fused_attention(fused_attention)
+    check_cost_model(cost_model)
 
 
 def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", time_limit_s: Any = 60.0,
@@ -179,7 +183,7 @@ def check_solve_args(graph: Any, budget_bytes: Any, solver: Any = "checkmate", t
         raise RematArgumentTypeError(f"graph must be a TrainingGraph (from remat.capture), got {_kind(graph)}")
     budget_in_bytes(budget_bytes=budget_bytes)
     check_solver(solver, solver_kwargs or {})
-    _time_limit(time_limit_s)
+    check_time_limit(time_limit_s)
 
 
 def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_inputs: Any, example_kwargs: Any,
@@ -196,7 +200,7 @@ def check_optimize_args(model: Any, budget_gb: Any, budget_bytes: Any, example_i
     if budget is None and plan is None and solver != "keep_all":  # keep_all needs no budget
         raise RematArgumentError("give budget_gb or budget_bytes (or a saved plan=, or solver='keep_all')")
     check_solver(solver, solver_kwargs or {})
-    _time_limit(time_limit_s)
+    check_time_limit(time_limit_s)
     if not isinstance(compiled, bool):
         raise RematArgumentTypeError(f"compiled must be True or False, got {_kind(compiled)}")
     if isinstance(cache_limit, bool) or not isinstance(cache_limit, int):
