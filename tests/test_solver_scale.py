@@ -135,6 +135,11 @@ def test_every_schedule_is_a_point_of_the_relaxation(g):
                     assert objective * rel.mem_scale == pytest.approx(sim.peak_bytes)
                 else:
                     assert objective * rel.cost_scale <= sim.extra_cost * (1 + 1e-9) + 1e-9
+            # built at twice the peak, then moved to it (the lowest-peak search's probes)
+            moved = Relaxation(g, 2 * sim.peak_bytes, **opts)
+            moved.set_budget(sim.peak_bytes)
+            assert moved.infeasible_at is None
+            assert violations(moved, point_of_schedule(moved, sched)) == [], (g.name, opts, "moved")
 
 
 CHAINS = [(4, 1, "min"), (5, 0, "min"), (7, 1, "min+"), (8, 1, "min"), (9, 0, "mid"), (10, 7, "mid"), (6, 3, "min")]
