@@ -161,6 +161,24 @@ def test_proves_the_brute_force_optimum(n, seed, which):
     assert milp.bound == pytest.approx(extra, rel=1e-6, abs=1e-6)
 
 
+def test_the_relaxation_milp_closes_the_gap_class_branching_leaves(monkeypatch):
+    """Where the branch and bound on class sums stops short of its gap (here: after its root LP,
+    as it stalls on CNNs), HiGHS's MILP of the relaxation runs from the incumbent plan: it closes
+    the gap the root LP left, and its bound never exceeds the brute-force optimum."""
+    from remat.solver import checkmate_certified
+
+    monkeypatch.setattr(checkmate_certified, "MAX_LPS", 1)
+    for n, seed, above, closes in ((10, 7, 2, True), (12, 3, 0, False)):
+        g = training_chain(n, seed)
+        budget = brute_force(g, None, objective="peak")[0] + above
+        extra = brute_force(g, budget)[0] - g.total_cost
+        plan = checkmate.solve(g, budget)
+        assert plan.details["certify"]["stopped_by"] == "work limit" and plan.details["relaxation_milp"]["status"] == "optimal"
+        assert plan.details["relaxation_milp"]["bound"] >= plan.details["certify"]["bound"]
+        assert plan.lower_bound <= extra + 1e-9 and plan.extra_cost == pytest.approx(extra)
+        assert (plan.status == "optimal") == closes, g.name
+
+
 FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]
 
 
