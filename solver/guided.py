@@ -276,12 +276,12 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
             best, best_peak, best_drops = sched, peak, drops
     if probes is None:
         probes = 0 if rel.model.num_vars > PROBE_MAX_VARIABLES else 16
-    lo, probe = bound, None
+    lo, probe, last = bound, None, None  # last: the last probe whose plan fitted, and its LP
     for _ in range(probes):
         if best_peak - lo <= 1:
             break
         mid = (lo + best_peak) // 2
-        sched = fit(graph, best_drops, mid, max_rounds=30)
+        sched, lp = fit(graph, best_drops, mid, max_rounds=30), None
         if sched is None:
             probe = probe or BudgetProbe(graph, best_peak)
             lp = probe.solve(mid)
@@ -293,8 +293,23 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
         if sched is None:
             lo = mid
         else:
-            best, best_peak = sched, simulate(graph, sched).peak_bytes
+            best, best_peak, last = sched, simulate(graph, sched).peak_bytes, (mid, lp)
+    if last is not None and last[1] is not None:
+        best = _cold_at(graph, best, best_peak, last[0])
     return best, bound
+
+
+def _cold_at(graph: TrainingGraph, best: list[str], peak: int, budget: int) -> list[str]:
+    """`best` (read off the hot-started LP at `budget`), or the plan read off the same LP solved
+    from nothing, where that one is cheaper and peaks no higher: a hot start can end at another
+    optimum of the same LP, whose plans differ (ResNet-50's at its smallest budget cost 1.3% more)."""
+    rel = Relaxation(graph, budget)
+    lp = rel.model.solve() if rel.infeasible_at is None else None
+    found = best_guided(graph, rel, lp.x, budget) if lp is not None and lp.x is not None else None
+    if found is None:
+        return best
+    sim, old = simulate(graph, found[0]), simulate(graph, best)
+    return found[0] if sim.peak_bytes <= peak and sim.extra_cost < old.extra_cost else best
 
 
 def descend(graph: TrainingGraph, best: list[str], bound: int, search, steps: int = 4) -> tuple[list[str], int]:
