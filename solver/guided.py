@@ -260,7 +260,7 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     tried with `fit` on that schedule's drops, then with the cost relaxation at that budget (its
     plans, `best_guided`; one BudgetProbe for all probes, each LP hot-started from the last);
     when that relaxation's LP is infeasible no schedule fits the probe budget, and the bound
-    rises to it. probes: how many budgets are probed (None: 16, and none on
+    rises to it. The last probe whose plan fitted is also solved from nothing (`_cold_at`). probes: how many budgets are probed (None: 16, and none on
     relaxations over PROBE_MAX_VARIABLES)."""
     rel = Relaxation(graph, None)
     sol = rel.model.solve()
