@@ -34,6 +34,9 @@ class PlanDetails(TypedDict, total=False):
     relaxation: dict[str, Any]  # {"variables", "rows", "dense", ...} of the relaxation's LP
     certify: dict[str, Any]  # {"root_bound", "bound", "lps", "iterations", "stopped_by", "s"}
     guided_plans: list[Any]  # the plans read off LP solutions
+    # HiGHS's MILP of the relaxation, where the branch and bound stopped short of its gap on a small
+    # relaxation: {"status", "nodes", "bound", "s"}
+    relaxation_milp: dict[str, Any]
     plan_source: str
     certified_s: float
     infeasible_row: str | None  # the node at which the relaxation proved the budget infeasible

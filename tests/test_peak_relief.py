@@ -77,3 +77,56 @@ def test_the_relaxation_bisection_runs_only_above_the_floor(monkeypatch):
     assert es > peak_floor(chain) * (1 + lowest_peak.CLOSE_TO_FLOOR)
     peak, plan = min_feasible_budget(chain, return_plan=True)
     assert calls == [chain] and plan.details["peak_lower_bound"] <= peak <= es
+
+
+def test_budget_probes_solve_the_relaxation_at_each_budget():
+    """BudgetProbe (one relaxation moved from budget to budget, each LP started from the last
+    one's basis) answers what a relaxation built at that budget answers: nothing fits by the rows,
+    an infeasible LP, or the same optimum; in any order of budgets, after an infeasible one too."""
+    from remat.solver.checkmate.guided import BudgetProbe
+    from remat.solver.checkmate.relaxation import Relaxation
+
+    seen = set()
+    for g, budgets in ((training_chain(20, 2), (0.7, 67, 0.5, 66, 0.3, 67, 0.9, 68)),
+                       (transformer_like(3, 1), (0.7, 0.5, 0.3, 0.6, 0.35, 0.45))):
+        keep = simulate(g, keep_all_schedule(g)).peak_bytes
+        probe = BudgetProbe(g, keep)
+        for b in budgets:
+            b = int(b * keep) if b < 1 else b
+            cold = Relaxation(g, b)
+            hot = probe.solve(b)
+            if cold.infeasible_at is not None:
+                assert hot is None
+                seen.add("rows")
+                continue
+            sol = cold.model.solve()
+            assert hot.status == sol.status, (g.name, b)
+            seen.add(sol.status)
+            if sol.status == "optimal":
+                assert hot.objective == pytest.approx(sol.objective, rel=1e-7), (g.name, b)
+    assert seen == {"rows", "infeasible", "optimal"}
+
+
+def test_hot_started_probes_give_the_cold_bisection(monkeypatch):
+    """lowest_peak_search with its probes built and solved from nothing at each budget (as before
+    BudgetProbe) finds the same schedule and bound as with the hot-started probes."""
+    from remat.solver import guided
+    from remat.solver.checkmate.relaxation import Relaxation
+
+    class ColdProbe:
+        def __init__(self, graph, top):
+            self.graph = graph
+
+        def solve(self, budget):
+            probed.append(budget)
+            self.rel = Relaxation(self.graph, budget)
+            return None if self.rel.infeasible_at is not None else self.rel.model.solve()
+
+    for g in (training_chain(40, 0), random_dag(30, 1)):
+        hot = guided.lowest_peak_search(g)
+        probed = []
+        with monkeypatch.context() as m:
+            m.setattr(guided, "BudgetProbe", ColdProbe)
+            cold = guided.lowest_peak_search(g)
+        assert probed  # the bisection reached the relaxation's probes
+        assert hot[1] == cold[1] and simulate(g, hot[0]).peak_bytes == simulate(g, cold[0]).peak_bytes

@@ -135,6 +135,11 @@ def test_every_schedule_is_a_point_of_the_relaxation(g):
                     assert objective * rel.mem_scale == pytest.approx(sim.peak_bytes)
                 else:
                     assert objective * rel.cost_scale <= sim.extra_cost * (1 + 1e-9) + 1e-9
+            # built at twice the peak, then moved to it (the lowest-peak search's probes)
+            moved = Relaxation(g, 2 * sim.peak_bytes, **opts)
+            moved.set_budget(sim.peak_bytes)
+            assert moved.infeasible_at is None
+            assert violations(moved, point_of_schedule(moved, sched)) == [], (g.name, opts, "moved")
 
 
 CHAINS = [(4, 1, "min"), (5, 0, "min"), (7, 1, "min+"), (8, 1, "min"), (9, 0, "mid"), (10, 7, "mid"), (6, 3, "min")]
@@ -154,6 +159,24 @@ def test_proves_the_brute_force_optimum(n, seed, which):
     assert plan.gap == pytest.approx((plan.extra_cost - plan.lower_bound) / plan.extra_cost if extra else 0, abs=1e-12)
     milp = lower_bound(g, budget, integral=True)  # the relaxation's MILP: the same optimum
     assert milp.bound == pytest.approx(extra, rel=1e-6, abs=1e-6)
+
+
+def test_the_relaxation_milp_closes_the_gap_class_branching_leaves(monkeypatch):
+    """Where the branch and bound on class sums stops short of its gap (here: after its root LP,
+    as it stalls on CNNs), HiGHS's MILP of the relaxation runs from the incumbent plan: it closes
+    the gap the root LP left, and its bound never exceeds the brute-force optimum."""
+    from remat.solver import checkmate_certified
+
+    monkeypatch.setattr(checkmate_certified, "MAX_LPS", 1)
+    for n, seed, above, closes in ((10, 7, 2, True), (12, 3, 0, False)):
+        g = training_chain(n, seed)
+        budget = brute_force(g, None, objective="peak")[0] + above
+        extra = brute_force(g, budget)[0] - g.total_cost
+        plan = checkmate.solve(g, budget)
+        assert plan.details["certify"]["stopped_by"] == "work limit" and plan.details["relaxation_milp"]["status"] == "optimal"
+        assert plan.details["relaxation_milp"]["bound"] >= plan.details["certify"]["bound"]
+        assert plan.lower_bound <= extra + 1e-9 and plan.extra_cost == pytest.approx(extra)
+        assert (plan.status == "optimal") == closes, g.name
 
 
 FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]

@@ -15,15 +15,16 @@ from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.keep_more import keep_more
 from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.checkmate.relaxation import SAFETY, Relaxation
+from remat.solver.checkmate.sparse_lp import HotLP, Solution
 from remat.core.simulator import simulate
 
-__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "descend", "THRESHOLDS", "REFINED",
+__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "BudgetProbe", "descend", "THRESHOLDS", "REFINED",
            "PROBE_MAX_VARIABLES"]
 
 THRESHOLDS = (0.9, 0.5)
-# lowest_peak_search probes budgets only on relaxations up to this many variables: a probe (the
-# cost relaxation's LP at a budget) takes 2-3 s at 36k variables (Qwen2-small), over two minutes at
-# 180k (T5, 748 nodes: 130k simplex iterations at ~1 ms each)
+# lowest_peak_search probes budgets only on relaxations up to this many variables: the first
+# probe (the cost relaxation's LP at a budget, from nothing) takes 2-3 s at 36k variables
+# (Qwen2-small), over two minutes at 180k (T5, 748 nodes: 130k simplex iterations at ~1 ms each)
 PROBE_MAX_VARIABLES = 100_000
 REFINED = 2  # candidate schedules of one LP solution that best_guided refines: the cheapest
 
@@ -230,6 +231,26 @@ def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: in
     return (best[0], record) if best else None
 
 
+class BudgetProbe:
+    """The cost relaxation's LP at budgets up to `top`, as lowest_peak_search probes them: one
+    relaxation built once, at `top` (its structure does not depend on the budget), moved to each
+    probe's budget (Relaxation.set_budget) and solved from the last probe's basis (HotLP) instead
+    of built and solved from nothing each time. `rel` is the relaxation at the last budget solved."""
+
+    def __init__(self, graph: TrainingGraph, top: int):
+        self.rel = Relaxation(graph, top)
+        self.lp = HotLP(self.rel.model)
+        self.rows = [r for r, _, _ in self.rel.budget_rows]
+        self.cols = self.rel.budget_columns
+
+    def solve(self, budget: int) -> Solution | None:
+        """The LP at `budget`; None where some row's fixed bytes alone are over it (nothing fits)."""
+        self.rel.set_budget(budget)
+        if self.rel.infeasible_at is not None:
+            return None
+        return self.lp.solve(self.rows, self.cols)
+
+
 def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: int = 0) -> tuple[list[str], int]:
     """A low-peak schedule, and a proven lower bound on every schedule's peak (bytes).
 
@@ -237,8 +258,9 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     recomputation free), whose optimum is the first bound (or `floor`, a bound known, where that
     is higher). Then bisect between the bound and the best peak found: a probe budget is first
     tried with `fit` on that schedule's drops, then with the cost relaxation at that budget (its
-    plans, `best_guided`); when that relaxation's LP is infeasible no schedule fits the probe
-    budget, and the bound rises to it. probes: how many budgets are probed (None: 16, and none on
+    plans, `best_guided`; one BudgetProbe for all probes, each LP hot-started from the last);
+    when that relaxation's LP is infeasible no schedule fits the probe budget, and the bound
+    rises to it. The last probe whose plan fitted is also solved from nothing (`_cold_at`). probes: how many budgets are probed (None: 16, and none on
     relaxations over PROBE_MAX_VARIABLES)."""
     rel = Relaxation(graph, None)
     sol = rel.model.solve()
@@ -254,25 +276,40 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
             best, best_peak, best_drops = sched, peak, drops
     if probes is None:
         probes = 0 if rel.model.num_vars > PROBE_MAX_VARIABLES else 16
-    lo = bound
+    lo, probe, last = bound, None, None  # last: the last probe whose plan fitted, and its LP
     for _ in range(probes):
         if best_peak - lo <= 1:
             break
         mid = (lo + best_peak) // 2
-        sched = fit(graph, best_drops, mid, max_rounds=30)
+        sched, lp = fit(graph, best_drops, mid, max_rounds=30), None
         if sched is None:
-            probe = Relaxation(graph, mid)
-            lp = probe.model.solve() if probe.infeasible_at is None else None
+            probe = probe or BudgetProbe(graph, best_peak)
+            lp = probe.solve(mid)
             if lp is None or lp.status == "infeasible":
                 lo = bound = mid + 1  # proven: nothing fits `mid`
                 continue
-            found = best_guided(graph, probe, lp.x, mid) if lp.x is not None else None
+            found = best_guided(graph, probe.rel, lp.x, mid) if lp.x is not None else None
             sched = found[0] if found else None
         if sched is None:
             lo = mid
         else:
-            best, best_peak = sched, simulate(graph, sched).peak_bytes
+            best, best_peak, last = sched, simulate(graph, sched).peak_bytes, (mid, lp)
+    if last is not None and last[1] is not None:
+        best = _cold_at(graph, best, best_peak, last[0])
     return best, bound
+
+
+def _cold_at(graph: TrainingGraph, best: list[str], peak: int, budget: int) -> list[str]:
+    """`best` (read off the hot-started LP at `budget`), or the plan read off the same LP solved
+    from nothing, where that one is cheaper and peaks no higher: a hot start can end at another
+    optimum of the same LP, whose plans differ (ResNet-50's at its smallest budget cost 1.3% more)."""
+    rel = Relaxation(graph, budget)
+    lp = rel.model.solve() if rel.infeasible_at is None else None
+    found = best_guided(graph, rel, lp.x, budget) if lp is not None and lp.x is not None else None
+    if found is None:
+        return best
+    sim, old = simulate(graph, found[0]), simulate(graph, best)
+    return found[0] if sim.peak_bytes <= peak and sim.extra_cost < old.extra_cost else best
 
 
 def descend(graph: TrainingGraph, best: list[str], bound: int, search, steps: int = 4) -> tuple[list[str], int]:

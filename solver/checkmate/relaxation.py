@@ -55,7 +55,7 @@ import bisect
 import math
 
 from remat.core.training_graph import TrainingGraph
-from remat.solver.checkmate.relaxation_rows import build_rows
+from remat.solver.checkmate.relaxation_rows import build_rows, rhs_of
 from remat.solver.checkmate.sparse_lp import SparseModel
 
 __all__ = ["Relaxation", "group_ranges", "forward_cuts", "long_lived", "groups_of", "SAFETY", "MIN_SIT"]
@@ -243,6 +243,9 @@ class Relaxation:
         self.pending: list = []  # R columns whose dependency rows are still to build
         self.memory_rows: list = []  # the memory row of each row t (model row indices)
         self.transient_rows: list = []  # the rows bounding memory while a value is recomputed
+        # (row, fixed bytes, extra): the rows whose bound depends on the budget (rhs_of)
+        self.budget_rows: list = []
+        self.memory_fixed: list = []  # per row t: the bytes its memory row holds whatever the plan
         self._prep(group_target)
         build_rows(self)
 
@@ -336,6 +339,26 @@ class Relaxation:
             for a, b in runs:
                 for t in range(a, b + 1):
                     self.run_at[t].append(gi)
+
+    def set_budget(self, budget: int) -> None:
+        """The model at another budget, in place: only the budget rows' upper bounds and the
+        carried-memory columns' upper bounds depend on it (the structure and mem_scale stay), so
+        an LP solver holding the model can solve the new one from its last basis
+        (`budget_rows`, `budget_columns` say what moved). Not for the peak's model."""
+        if not self.budget_given:
+            raise ValueError("the smallest peak's model has no budget")
+        m, ms = self.model, self.mem_scale
+        self.budget = budget
+        self.infeasible_at = next((t for t, f in enumerate(self.memory_fixed) if f > budget), None)
+        for r, fixed, extra in self.budget_rows:
+            m.set_row_bounds(r, hi=rhs_of(budget, fixed, ms, extra))
+        for W, _ in self.carried.values():
+            m.ub[W] = budget / ms
+
+    @property
+    def budget_columns(self) -> list[int]:
+        """The columns whose upper bound is the budget (the carried memory W of each row)."""
+        return [W for W, _ in self.carried.values()]
 
     def span(self, s: int) -> tuple[int, int]:
         """The first and last row a state may stand for (a sitting state: any row of its gap)."""

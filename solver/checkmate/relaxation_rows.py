@@ -4,7 +4,17 @@ and the cost.
 """
 from __future__ import annotations
 
-__all__ = ["build_rows"]
+__all__ = ["build_rows", "rhs_of"]
+
+
+def rhs_of(budget: int | None, fixed: int, ms: float, extra=()) -> float:
+    """A memory or transient row's upper bound: (budget - fixed) / ms, plus each of `extra` (the
+    bytes of inputs recomputed with the value, in model units) in turn; budget None: the peak's
+    model (the peak variable is in the row). Relaxation.set_budget recomputes it the same way."""
+    hi = (budget - fixed) / ms if budget is not None else -fixed / ms
+    for e in extra:
+        hi += e
+    return hi
 
 
 def build_rows(rel) -> None:
@@ -51,12 +61,14 @@ def build_rows(rel) -> None:
         sits = [rel.sitting[j][2] for j in sitting_at[t]]
         terms += [(col, 1.0) for col in sits]
         rel.memory_rows.append(m.num_rows)
+        rel.memory_fixed.append(fixed)
         if rel.peak is not None:  # the peak's model: every row at most the variable P
-            m.row(terms + [(rel.peak, -1.0)], hi=-fixed / ms)
+            m.row(terms + [(rel.peak, -1.0)], hi=rhs_of(None, fixed, ms))
         else:
             if fixed > rel.budget and rel.infeasible_at is None:
                 rel.infeasible_at = t
-            m.row(terms, hi=(rel.budget - fixed) / ms)
+            rel.budget_rows.append((m.num_rows, fixed, ()))
+            m.row(terms, hi=rhs_of(rel.budget, fixed, ms))
         ends = []
         for gi in sorted(det):
             a = rel.chain_prev.get((gi, t))
@@ -282,7 +294,7 @@ def _transients(rel, t: int, det: set, Lt: dict, read_t: set, sits: list, fixed:
     if not ends:
         return
     m, P, rec, grp, ms = rel.model, rel.part_bytes, rel.recomputable, rel.group_of, rel.mem_scale
-    W = m.var(0.0, rel.budget / rel.mem_scale)
+    W = m.var(0.0, rel.budget / rel.mem_scale)  # (Relaxation.set_budget moves this bound)
     ys: list = []
     rel.carried[t] = (W, ys)
     terms = [(W, 1.0)] + [(c, -1.0) for c in sits]
@@ -307,12 +319,14 @@ def _transients(rel, t: int, det: set, Lt: dict, read_t: set, sits: list, fixed:
     for v, Rv in ends:
         rel.transient_rows.append(m.num_rows)
         own = nodes[v].out_bytes + nodes[v].workspace_bytes
-        row, rhs = [(W, 1.0), (Rv, own / ms)], (rel.budget - fixed) / ms
+        row, extra = [(W, 1.0), (Rv, own / ms)], []
         if rel.peak is not None:
-            row, rhs = row + [(rel.peak, -1.0)], -fixed / ms
+            row = row + [(rel.peak, -1.0)]
         for u, k in set(rel.reads[v]):
             Ru = rel.computed.get((u, t))
             if Ru is not None and rel.interval[u, t][0] == t - 1:
                 row += [(Rv, P[u][k] / ms), (Ru, P[u][k] / ms)]
-                rhs += P[u][k] / ms
-        m.row(row, hi=rhs)
+                extra.append(P[u][k] / ms)
+        if rel.peak is None:
+            rel.budget_rows.append((m.num_rows, fixed, tuple(extra)))
+        m.row(row, hi=rhs_of(None if rel.peak is not None else rel.budget, fixed, ms, extra))

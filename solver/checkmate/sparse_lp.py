@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SparseModel", "Solution"]
+__all__ = ["SparseModel", "Solution", "HotLP"]
 
 
 @dataclass
@@ -110,8 +110,6 @@ class SparseModel:
             opts["time_limit"] = float(max(time_limit_s, 0.01))
         for k, v in opts.items():
             h.setOptionValue(k, v)
-        inf = highspy.kHighsInf
-        clip = lambda xs: np.array([inf if x == math.inf else -inf if x == -math.inf else x for x in xs], float)  # noqa: E731
         starts, index, value = list(self._starts), list(self._index), list(self._value)
         lo, hi = list(self._lo), list(self._hi)
         for cols, a, b in extra_rows or ():
@@ -122,8 +120,8 @@ class SparseModel:
             hi.append(b)
         n = self.num_vars
         integ = np.array(self.integral if integral else [False] * n, np.uint8)
-        h.passModel(n, len(lo), len(index), 2, 1, 0.0, np.array(self.cost, float), clip(self.lb), clip(self.ub),
-                    clip(lo), clip(hi), np.array(starts, np.int32), np.array(index, np.int32),
+        h.passModel(n, len(lo), len(index), 2, 1, 0.0, np.array(self.cost, float), _clip(self.lb), _clip(self.ub),
+                    _clip(lo), _clip(hi), np.array(starts, np.int32), np.array(index, np.int32),
                     np.array(value, float), integ)
         return h
 
@@ -138,30 +136,83 @@ class SparseModel:
         n = self.num_vars
         if start is not None and integral:
             h.setSolution(n, np.arange(n, dtype=np.int32), np.asarray(start, float))
-        status = h.run()
-        if status == highspy.HighsStatus.kError:
-            highspy.Highs.resetGlobalScheduler(True)  # another thread count was set before in this process
-            status = h.run()
-        secs = time.perf_counter() - t0
-        M = highspy.HighsModelStatus
-        ms = h.getModelStatus()
-        info = h.getInfo()
-        if ms in (M.kInfeasible, M.kUnboundedOrInfeasible):
-            return Solution("infeasible", None, math.inf, None, secs)
-        has_x = info.primal_solution_status == 2
-        x = np.array(h.getSolution().col_value) if has_x else None
-        obj = info.objective_function_value if has_x else None
-        nodes = int(getattr(info, "mip_node_count", 0) or 0)
-        if not integral:
-            if ms != M.kOptimal:
-                return Solution("error" if ms not in (M.kTimeLimit, M.kIterationLimit) else "limit",
-                                None, None, None, secs)
-            # the LP optimum is the bound (its dual value equals the primal one at optimality)
-            return Solution("optimal", obj, obj, x, secs)
-        bound = info.mip_dual_bound
-        bound = bound if math.isfinite(bound) else None
-        if ms == M.kOptimal:
-            return Solution("optimal", obj, bound if bound is not None else obj, x, secs, nodes)
-        if ms in (M.kSolutionLimit, M.kTimeLimit, M.kIterationLimit, M.kInterrupt):
-            return Solution("limit", obj, bound, x, secs, nodes)
-        return Solution("error", obj, None, x, secs, nodes)
+        _run(h)
+        return _solution(h, integral, time.perf_counter() - t0)
+
+    def set_row_bounds(self, r: int, lo: float | None = None, hi: float | None = None) -> None:
+        """Change row r's bounds (None: leave that side as it is)."""
+        if lo is not None:
+            self._lo[r] = lo
+        if hi is not None:
+            self._hi[r] = hi
+
+
+class HotLP:
+    """One HiGHS instance holding a SparseModel's LP, solved again after some of the model's bounds
+    changed from the basis of its last solve (a change of right-hand sides leaves that basis dual
+    feasible: the dual simplex goes on from it, where a new instance starts from nothing)."""
+
+    def __init__(self, model: SparseModel):
+        self.model = model
+        self.h = model.highs()
+
+    def solve(self, rows=(), cols=()) -> Solution:
+        """The LP after the model's bounds of `rows` and `cols` changed (pushed to HiGHS first). A
+        hot start that ends neither optimal nor infeasible is run again from scratch."""
+        t0 = time.perf_counter()
+        h, m = self.h, self.model
+        rows, cols = np.asarray(rows, np.int32), np.asarray(cols, np.int32)
+        if rows.size:
+            h.changeRowsBounds(rows.size, rows, _clip(m._lo[r] for r in rows), _clip(m._hi[r] for r in rows))
+        if cols.size:
+            h.changeColsBounds(cols.size, cols, _clip(m.lb[j] for j in cols), _clip(m.ub[j] for j in cols))
+        _run(h)
+        sol = _solution(h, False, time.perf_counter() - t0)
+        if sol.status not in ("optimal", "infeasible"):
+            h.clearSolver()
+            _run(h)
+            sol = _solution(h, False, time.perf_counter() - t0)
+        return sol
+
+
+def _clip(xs) -> np.ndarray:
+    """Bounds as HiGHS takes them: infinities as its own infinity."""
+    import highspy
+
+    return np.clip(np.fromiter(xs, float), -highspy.kHighsInf, highspy.kHighsInf)
+
+
+def _run(h) -> None:
+    import highspy
+
+    if h.run() == highspy.HighsStatus.kError:
+        highspy.Highs.resetGlobalScheduler(True)  # another thread count was set before in this process
+        h.run()
+
+
+def _solution(h, integral: bool, secs: float) -> Solution:
+    """What HiGHS's last run found (see Solution)."""
+    import highspy
+
+    M = highspy.HighsModelStatus
+    ms = h.getModelStatus()
+    info = h.getInfo()
+    if ms in (M.kInfeasible, M.kUnboundedOrInfeasible):
+        return Solution("infeasible", None, math.inf, None, secs)
+    has_x = info.primal_solution_status == 2
+    x = np.array(h.getSolution().col_value) if has_x else None
+    obj = info.objective_function_value if has_x else None
+    nodes = int(getattr(info, "mip_node_count", 0) or 0)
+    if not integral:
+        if ms != M.kOptimal:
+            return Solution("error" if ms not in (M.kTimeLimit, M.kIterationLimit) else "limit",
+                            None, None, None, secs)
+        # the LP optimum is the bound (its dual value equals the primal one at optimality)
+        return Solution("optimal", obj, obj, x, secs)
+    bound = info.mip_dual_bound
+    bound = bound if math.isfinite(bound) else None
+    if ms == M.kOptimal:
+        return Solution("optimal", obj, bound if bound is not None else obj, x, secs, nodes)
+    if ms in (M.kSolutionLimit, M.kTimeLimit, M.kIterationLimit, M.kInterrupt):
+        return Solution("limit", obj, bound, x, secs, nodes)
+    return Solution("error", obj, None, x, secs, nodes)
