@@ -110,7 +110,7 @@ def test_budget_probes_solve_the_relaxation_at_each_budget():
 def test_hot_started_probes_give_the_cold_bisection(monkeypatch):
     """lowest_peak_search with its probes built and solved from nothing at each budget (as before
     BudgetProbe) finds the same schedule and bound as with the hot-started probes."""
-    from remat.solver import guided
+    from remat.solver.checkmate import guided
     from remat.solver.checkmate.relaxation import Relaxation
 
     class ColdProbe:

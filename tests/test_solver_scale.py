@@ -165,9 +165,9 @@ def test_the_relaxation_milp_closes_the_gap_class_branching_leaves(monkeypatch):
     """Where the branch and bound on class sums stops short of its gap (here: after its root LP,
     as it stalls on CNNs), HiGHS's MILP of the relaxation runs from the incumbent plan: it closes
     the gap the root LP left, and its bound never exceeds the brute-force optimum."""
-    from remat.solver import checkmate_certified
+    from remat.solver.checkmate import certified_search
 
-    monkeypatch.setattr(checkmate_certified, "MAX_LPS", 1)
+    monkeypatch.setattr(certified_search, "MAX_LPS", 1)
     for n, seed, above, closes in ((10, 7, 2, True), (12, 3, 0, False)):
         g = training_chain(n, seed)
         budget = brute_force(g, None, objective="peak")[0] + above
