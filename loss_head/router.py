@@ -1,0 +1,2 @@
+class LossHeadRouter: pass
+def route_loss_head(*a, **k): pass
