@@ -8,6 +8,7 @@ from typing import Any
 import torch.nn as nn
 
 from remat.blockwise import BlockwiseModule, plan_blockwise
+from remat.loss_head.router import chunked_loss_mode
 from remat.graph_capture.joint import TraceError
 from remat.core.training_graph import TrainingGraph
 from remat.pipeline import Decision, PlanOptions, StepPlanner, planned_step, trace_graph
@@ -17,22 +18,28 @@ from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, Rem
                                   model_device_types)
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import solve
-from remat.validate import budget_in_bytes, check_capture_args, check_optimize_args, example_arguments
+from remat.validate import (budget_in_bytes, check_capture_args, check_chunked_loss, check_optimize_args,
+                            example_arguments)
 
 __all__ = ["capture", "solve", "optimize", "TraceError", "InfeasibleBudgetError"]
 
 
 def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
-            fused_attention: bool | str = True, *, quiet: bool = False, cost_model: str = "flops") -> TrainingGraph:
+            fused_attention: bool | str = True, *, quiet: bool = False, cost_model: str = "flops",
+            chunked_loss: bool = False) -> TrainingGraph:
     """Trace one training step of `model` (forward and backward, ATen level) into a TrainingGraph.
     `fused_attention`: trace attention as remat's flash op where it can (see `optimize`).
     quiet: no progress on stderr (shown otherwise for stages longer than a couple of seconds).
     cost_model: "flops" (default; deterministic): each node costs its FLOPs plus a weight per byte
     moved; "measured": each node costs the median time its ops take on the capture device, in
     nanoseconds, as Checkmate profiles its ops (graph_capture/op_timing.py; plans may then differ
-    from run to run). The graph's structure, bytes and fingerprint are the same either way."""
+    from run to run). The graph's structure, bytes and fingerprint are the same either way.
+    chunked_loss: trace a linear head followed by cross-entropy as remat's chunked loss op where the
+    router proves it the model's function (see `optimize`; default False: the model's own head)."""
     check_capture_args(model, example_inputs, example_kwargs, fused_attention, cost_model)  # before any tracing
-    return trace_graph(model, example_arguments(example_inputs), example_kwargs, fused_attention, cost_model, quiet)
+    check_chunked_loss(chunked_loss, allow_auto=False)
+    return trace_graph(model, example_arguments(example_inputs), example_kwargs, fused_attention, cost_model, quiet,
+                       chunked_loss=bool(chunked_loss))
 
 
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
@@ -40,7 +47,7 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
              solver: str = "checkmate", time_limit_s: float | None = None, plan: Plan | str | os.PathLike | None = None,
              fused_attention: bool | str = True, solve_on_rank: int | None = None, quiet: bool = False,
              cost_model: str = "flops", compiled: bool = False, cache_limit: int = DEFAULT_CACHE_LIMIT,
-             **solver_kwargs) -> RematModule | BlockwiseModule:
+             chunked_loss: bool | str = "auto", **solver_kwargs) -> RematModule | BlockwiseModule:
     """Return a drop-in module whose training steps peak under the budget.
 
     The budget is the real peak of one training step, forward and backward: parameters,
@@ -60,6 +67,15 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     model computes; "all" also fuses attention with dropout on its probabilities, drawing the
     masks from remat's own counter-based generator (same distribution, other masks than torch's);
     False fuses nothing.
+    `chunked_loss` decides the loss head: a linear (or a matmul with a tied embedding) followed by
+    cross-entropy (or log_softmax + nll_loss), mean or sum, with ignore_index and label smoothing, can
+    run as remat's chunked op (remat/loss_head/), which computes the loss over row chunks and the
+    logits again in the backward, so no [tokens, vocab] tensor lives whole, at one more logits
+    matmul. "auto" (default) plans the step with the model's head and, where that plan recomputes
+    or does not fit, with the chunked head too, and keeps the cheaper plan that fits (per kind of
+    call; `plan.details["loss_head"]` says which); True/"on" chunks wherever the router can, False/"off"
+    never. Where the model also returns its logits (Hugging Face's `.logits`), they are still
+    computed by the model's own linear, with eager's values.
     The model itself is not modified. The module returns what the model returns (any pytree,
     dataclasses included, rebuilt on every call); an output that is neither a tensor nor a
     constant (e.g. a Hugging Face cache: pass use_cache=False) raises OutputError here, and an
@@ -87,18 +103,19 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     plan budget and measured peak), or InfeasibleBudgetError says what each round measured."""
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
                         plan, fused_attention, solver_kwargs, cost_model, compiled, solve_on_rank, cache_limit)
+    check_chunked_loss(chunked_loss)
     budget = budget_in_bytes(budget_gb, budget_bytes)  # None: keep_all with no budget, or a saved plan's
     args = example_arguments(example_inputs)
     kwargs = dict(example_kwargs or {})
     if plan is not None and not isinstance(plan, Plan):  # the path of a saved plan
         plan = load_plan(plan)
     if plan is not None:  # made for another model, shape, device or mode: refused before tracing
-        check_context(plan, model, args, kwargs, fused_attention)
+        check_context(plan, model, args, kwargs, fused_attention, chunked_loss=chunked_loss)
         if budget is None:  # later kinds of call are planned under the saved plan's budget
             budget = plan.budget_bytes
     options = PlanOptions(budget_bytes=budget, solver=solver, time_limit_s=time_limit_s,
                           solver_options=tuple(solver_kwargs.items()), fused_attention=fused_attention,
-                          cost_model=cost_model, quiet=quiet, compiled=compiled)
+                          cost_model=cost_model, quiet=quiet, compiled=compiled, chunked_loss=chunked_loss)
     planner = StepPlanner(options)
     key, _ = call_key(model, args, kwargs, model_device_types(model))
     call = describe_key(key)
@@ -113,7 +130,9 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
         solved = Decision(planner.choose(model, args, kwargs, known=plan, others=[]),
                           how=f"plan from rank {solve_on_rank}")
         shared = plan_on_one_rank(solved, rejudge, src=solve_on_rank)
-        first = planned_step(model, args, kwargs, options, Decision(lambda g: (shared(g), solved.how)), call)
+        # every rank traces the same head: the chunked one only where it is asked for
+        first = planned_step(model, args, kwargs, options, Decision(lambda g: (shared(g), solved.how)), call,
+                             chunked=chunked_loss_mode(chunked_loss) == "on")
     if not first.signature.outputs.single_scalar:
         warnings.warn(OutsideBudgetWarning(
             f"{type(model).__name__} returns {first.signature.outputs.describe()}, not a single loss: the budget "

@@ -28,6 +28,17 @@ traced (the graph depends on it), then planned in the first of these ways that a
 4. otherwise the strategy solves the graph (baselines always do: they are fast).
 The budget holds at every shape: where no plan fits, InfeasibleBudgetError names the call and the
 smallest feasible budget for it.
+
+**The loss head** (`chunked_loss`, remat/loss_head/): a linear head followed by cross-entropy can be
+traced as the chunked op, which keeps no [tokens, vocab] tensor but computes the logits once more
+in the backward. "on" traces it so wherever the router proves it the model's function, "off" never;
+"auto" (the default) makes it the planner's choice, per call: the step is planned with the model's
+own head first; where that plan recomputes nothing, it is kept (the chunked head would only add its
+matmul); otherwise (a plan that recomputes, or no plan that fits) the step is traced again with the
+chunked head and planned too, and the plan that fits with the lower total cost (the graph's cost plus
+its recomputations) is kept. The plan records its head (`details["loss_head"]`, and its context), and
+a saved plan is deployed on the head it was made for (deployment.py refuses one whose head
+`chunked_loss` excludes).
 """
 from __future__ import annotations
 
@@ -55,10 +66,11 @@ from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
 from remat.core.simulator import ScheduleError, simulate
+from remat.loss_head.router import chunked_loss_mode
 from remat.solving import solve
 
 __all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
-           "REUSE_TIGHTNESS"]
+           "REUSE_TIGHTNESS", "has_chunked_head", "plan_head"]
 
 # A schedule planned for another call serves a new one when its peak there uses at least this share
 # of the budget: with more room left a solve is likely to find a plan that recomputes less.
@@ -78,6 +90,7 @@ class PlanOptions:
     cost_model: str = "flops"  # what the solver minimises: "flops" or "measured"
     quiet: bool = False  # no progress lines on stderr
     compiled: bool = False  # measure the Inductor-compiled step and plan until it fits (compiled_fit.py)
+    chunked_loss: bool | str = "auto"  # the loss head chunked: "auto" (the cheaper plan), "on"/True, "off"/False
 
     @property
     def solver_kwargs(self) -> dict[str, Any]:
@@ -144,10 +157,22 @@ class Planner:
         return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
 
 
+def has_chunked_head(graph: TrainingGraph) -> bool:
+    """Whether the loss head of `graph` is remat's chunked op (the router routed one)."""
+    return any(n.op.startswith("chunked_linear_cross_entropy") for n in graph.nodes)
+
+
+def plan_head(plan: Plan) -> str:
+    """The loss head a plan was made for: "chunked" or "unchunked" (plans made before the
+    option existed: unchunked)."""
+    return plan.context.get("loss_head") or plan.details.get("loss_head") or "unchunked"
+
+
 def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, decision: Decision,
-                 call: str) -> PlannedStep:
-    """Trace `model(*args, **kwargs)` with its backward, plan it with `decision` and return the
-    planned step (trace, decide and lower; see the module docstring)."""
+                 call: str, chunked: bool = False) -> PlannedStep:
+    """Trace `model(*args, **kwargs)` with its backward (its loss head chunked if `chunked` and
+    the router can), plan it with `decision` and return the planned step (trace, decide and lower;
+    see the module docstring). The plan records the head it was made for."""
     graphs = PlannedGraphs()
     if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
         graphs.use_inductor()
@@ -155,9 +180,13 @@ def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptio
     t0 = time.perf_counter()
     with progress.quiet(options.quiet):
         step, sig = trace_training_step(model, args, kwargs, planner, options.fused_attention,
-                                        graph_compilers=graphs.compilers)
+                                        graph_compilers=graphs.compilers, chunked_loss=chunked)
     total = time.perf_counter() - t0
     assert planner.plan is not None
+    head = "chunked" if has_chunked_head(planner.graph) else "unchunked"
+    planner.plan = dataclasses.replace(planner.plan, details={**planner.plan.details, "loss_head": head},
+                                       context={**planner.plan.context, "loss_head": head}
+                                       if planner.plan.context else planner.plan.context)
     record = PlanRecord(call=call, how=decision.how, trace_s=total - decision.seconds, plan_s=decision.seconds,
                         predicted_peak_bytes=planner.plan.predicted_peak_bytes, budget_bytes=options.budget_bytes)
     return PlannedStep(step, sig, planner.plan, planner.graph, graphs, record)
@@ -229,25 +258,65 @@ class StepPlanner:
                 from remat.compiled_fit import fit_compiled
 
                 def build(b: int) -> PlannedStep:
-                    return planned_step(model, args, kwargs, o, Decision(self.choose(
-                        model, args, kwargs, known=None, others=others, budget=b)), call)
+                    return self._best_head(model, args, kwargs, others, call, b)
 
                 return fit_compiled(build, o.budget_bytes, model, args, kwargs)
-            step = planned_step(model, args, kwargs, o, Decision(self.choose(
-                model, args, kwargs, known=known, others=others)), call)
+            if known is not None:  # a saved plan runs on the head it was made for
+                step = planned_step(model, args, kwargs, o, Decision(self.choose(
+                    model, args, kwargs, known=known, others=others)), call, chunked=plan_head(known) == "chunked")
+            else:
+                step = self._best_head(model, args, kwargs, others, call, None)
             if o.compiled:
                 step.graphs.use_inductor()
             return step
         except InfeasibleBudgetError as e:
             raise InfeasibleBudgetError(f"{call}: {e}", min_feasible_bytes=e.min_feasible_bytes) from None
 
+    def _best_head(self, model: nn.Module, args: tuple, kwargs: dict, others: list[tuple[str, Plan]], call: str,
+                   budget: int | None) -> PlannedStep:
+        """The planned step with the loss head `chunked_loss` asks for; under "auto" the cheaper
+        of the two heads' plans that fits (the module docstring)."""
+        o = self.options
+        mode = chunked_loss_mode(o.chunked_loss)
+
+        def step(chunked: bool) -> PlannedStep:
+            return planned_step(model, args, kwargs, o, Decision(self.choose(
+                model, args, kwargs, known=None, others=others, budget=budget)), call, chunked=chunked)
+
+        if mode != "auto":
+            return step(mode == "on")
+        limit = o.budget_bytes if budget is None else budget
+        failed: InfeasibleBudgetError | None = None
+        try:
+            plain = step(False)
+        except InfeasibleBudgetError as e:
+            plain, failed = None, e
+        if plain is not None and (limit is None or plain.plan.extra_cost == 0):
+            return plain  # nothing recomputed: the chunked head could only add its matmul
+        try:
+            chunked = step(True)
+        except InfeasibleBudgetError as e:
+            if plain is not None:
+                return plain
+            assert failed is not None
+            raise (e if (e.min_feasible_bytes or 0) < (failed.min_feasible_bytes or 0) else failed) from None
+        if not has_chunked_head(chunked.graph):  # no head the router could take: the same step
+            if plain is not None:
+                return plain
+            assert failed is not None
+            raise failed
+        if plain is None or chunked.plan.total_cost < plain.plan.total_cost:
+            return chunked
+        return plain
+
 
 def trace_graph(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str = True,
-                cost_model: str = "flops", quiet: bool = False) -> TrainingGraph:
-    """The TrainingGraph of one call's training step, traced and split as AOTAutograd would (no plan)."""
+                cost_model: str = "flops", quiet: bool = False, chunked_loss: bool = False) -> TrainingGraph:
+    """The TrainingGraph of one call's training step, traced and split as AOTAutograd would (no
+    plan); with `chunked_loss`, its loss head traced as the chunked op where the router can."""
     planner = Planner(type(model).__name__, cost_model=cost_model)
     with progress.quiet(quiet):
-        trace_training_step(model, args, kwargs, planner, fused_attention)
+        trace_training_step(model, args, kwargs, planner, fused_attention, chunked_loss=chunked_loss)
     return planner.graph
 
 
