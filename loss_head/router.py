@@ -142,6 +142,8 @@ class LossHeadRouter(TorchFunctionMode):
         self.passed: list[str] = []
         self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.transposed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # W.T -> (W, version of W.T)
+        # what was computed from the head's logits after an in-place op broke the chain -> why
+        self.stale: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def _tag(self, t, chain: HeadChain) -> None:
         if isinstance(t, torch.Tensor):
@@ -176,8 +178,16 @@ class LossHeadRouter(TorchFunctionMode):
     def _step(self, func, args, kwargs, out) -> None:
         """Tag `out` if func is a step of the chain applied to a tagged tensor."""
         src = args[0] if args else None
+        if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor):
+            return
         chain = self._chain(src)
-        if chain is None or not isinstance(out, torch.Tensor) or self._changed(chain):
+        why = self.stale.get(src) if src in self.stale else (
+            "in-place op on the logits before the loss" if chain is None and src in self.tags
+            else self._changed(chain) if chain is not None else None)
+        if why is not None:  # a value the loss may still read: remembered, so its reason is told
+            self.stale[out] = why
+            return
+        if chain is None:
             return
         if func in FLOAT_OPS or func in TO_OPS:
             if func in TO_OPS and not (len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs) \
@@ -214,8 +224,10 @@ class LossHeadRouter(TorchFunctionMode):
     def _loss_reason(self, func, args, kwargs, chain: HeadChain | None, x) -> str | None:
         name = "cross_entropy" if func in CROSS_ENTROPY_OPS else "nll_loss"
         if chain is None:
+            if isinstance(x, torch.Tensor) and x in self.stale:
+                return f"{name}: {self.stale[x]}"
             if isinstance(x, torch.Tensor) and x in self.tags:
-                return f"{name}: its input was modified in place after the head computed it"
+                return f"{name}: in-place op on its input after the head computed it"
             return f"{name}: its input is not a linear head's logits (through casts, indexing and reshapes)"
         if func in NLL_OPS and chain.stage != "logp":
             return "nll_loss on logits, not on their log_softmax"
@@ -246,7 +258,7 @@ class LossHeadRouter(TorchFunctionMode):
         chain = self._chain(x)
         reason = self._loss_reason(func, args, kwargs, chain, x)
         if reason is not None:
-            if chain is not None or (isinstance(x, torch.Tensor) and x in self.tags):
+            if chain is not None or (isinstance(x, torch.Tensor) and (x in self.tags or x in self.stale)):
                 self.passed.append(reason)
             return False, None
         eager = func(*args, **kwargs)  # traced, then unused: dead code; tells the dtype eager computes in

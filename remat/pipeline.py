@@ -32,7 +32,7 @@ smallest feasible budget for it.
 **The loss head** (`chunked_loss`, remat/loss_head/): a linear head followed by cross-entropy can be
 traced as the chunked op, which keeps no [tokens, vocab] tensor but computes the logits once more
 in the backward. "on" traces it so wherever the router proves it the model's function, "off" never;
-"auto" (the default) makes it the planner's choice, per call: the step is planned with the model's
+"auto" (the default) makes it checkmate's choice (the baselines keep the model's head), per call: the step is planned with the model's
 own head first; where that plan recomputes nothing, it is kept (the chunked head would only add its
 matmul); otherwise (a plan that recomputes, or no plan that fits) the step is traced again with the
 chunked head and planned too, and the plan that fits with the lower total cost (the graph's cost plus
@@ -283,7 +283,8 @@ class StepPlanner:
             return planned_step(model, args, kwargs, o, Decision(self.choose(
                 model, args, kwargs, known=None, others=others, budget=budget)), call, chunked=chunked)
 
-        if mode != "auto":
+        if mode != "auto" or o.solver != "checkmate":
+            # the baselines reproduce their published methods on the model's own step
             return step(mode == "on")
         limit = o.budget_bytes if budget is None else budget
         failed: InfeasibleBudgetError | None = None
