@@ -64,10 +64,11 @@ from remat.runtime.module import (DEFAULT_CACHE_LIMIT, PlannedStep, PlanRecord, 
                                   model_device_types)
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
+from remat.solver.peak_rows import peak_floor
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
 from remat.core.simulator import ScheduleError, simulate
 from remat.loss_head.router import chunked_loss_mode
-from remat.solving import solve
+from remat.solving import solve, strategy_options
 
 __all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
            "REUSE_TIGHTNESS", "has_chunked_head", "plan_head"]
@@ -221,9 +222,12 @@ class StepPlanner:
     options: PlanOptions
 
     def choose(self, model: nn.Module, args: tuple, kwargs: dict, *, known: Plan | None,
-               others: list[tuple[str, Plan]], budget: int | None = None) -> Callable[[TrainingGraph], tuple[Plan, str]]:
+               others: list[tuple[str, Plan]], budget: int | None = None,
+               smallest_on_failure: bool = True) -> Callable[[TrainingGraph], tuple[Plan, str]]:
         """graph -> (plan, how) for this call: the order of the module docstring; `budget`
-        overrides the options' (compiled_fit.py plans at lowered budgets)."""
+        overrides the options' (compiled_fit.py plans at lowered budgets). Without
+        `smallest_on_failure`, a budget no plan fits raises InfeasibleBudgetError without searching
+        for the smallest feasible one (min_feasible_bytes None): the other loss head may fit."""
         o = self.options
         budget = o.budget_bytes if budget is None else budget
         context = plan_context(model, args, kwargs, fused_attention=o.fused_attention, solver=o.solver,
@@ -242,8 +246,16 @@ class StepPlanner:
                 reused = _reused(graph, budget, o, others)
                 if reused is not None:
                     return dataclasses.replace(reused[0], context=context), reused[1]
-            plan = solve(graph, budget, solver=o.solver, time_limit_s=o.time_limit_s, quiet=o.quiet,
-                         **o.solver_kwargs)
+            if smallest_on_failure or budget is None:
+                plan = solve(graph, budget, solver=o.solver, time_limit_s=o.time_limit_s, quiet=o.quiet,
+                             **o.solver_kwargs)
+            else:
+                if peak_floor(graph) > budget:  # proven: no schedule in the graph's order fits
+                    raise InfeasibleBudgetError(f"no plan fits {budget / 2**20:.2f} MiB (the peak's floor is over it)")
+                plan = get_solver(o.solver)(graph, budget, **strategy_options(
+                    o.solver, o.time_limit_s, o.solver_kwargs).as_kwargs())
+                if plan.status == "infeasible" or not plan.fits:
+                    raise InfeasibleBudgetError(f"no {o.solver} plan fits {budget / 2**20:.2f} MiB")
             return dataclasses.replace(plan, context=context), "solved"
 
         return choose
@@ -279,34 +291,39 @@ class StepPlanner:
         o = self.options
         mode = chunked_loss_mode(o.chunked_loss)
 
-        def step(chunked: bool) -> PlannedStep:
+        def step(chunked: bool, search: bool = True) -> PlannedStep:
             return planned_step(model, args, kwargs, o, Decision(self.choose(
-                model, args, kwargs, known=None, others=others, budget=budget)), call, chunked=chunked)
+                model, args, kwargs, known=None, others=others, budget=budget, smallest_on_failure=search)),
+                call, chunked=chunked)
 
         if mode != "auto" or o.solver != "checkmate":
             # the baselines reproduce their published methods on the model's own step
             return step(mode == "on")
         limit = o.budget_bytes if budget is None else budget
-        failed: InfeasibleBudgetError | None = None
+        # a budget the model's head does not fit is not searched below here: the chunked head may fit
         try:
-            plain = step(False)
-        except InfeasibleBudgetError as e:
-            plain, failed = None, e
+            plain = step(False, search=False)
+        except InfeasibleBudgetError:
+            plain = None
         if plain is not None and (limit is None or plain.plan.extra_cost == 0):
             return plain  # nothing recomputed: the chunked head could only add its matmul
         try:
-            chunked = step(True)
-        except InfeasibleBudgetError as e:
-            if plain is not None:
-                return plain
-            assert failed is not None
-            raise (e if (e.min_feasible_bytes or 0) < (failed.min_feasible_bytes or 0) else failed) from None
-        if not has_chunked_head(chunked.graph):  # no head the router could take: the same step
-            if plain is not None:
-                return plain
-            assert failed is not None
-            raise failed
-        if plain is None or chunked.plan.total_cost < plain.plan.total_cost:
+            chunked = step(True, search=False)
+        except InfeasibleBudgetError:
+            chunked = None
+        if chunked is not None and not has_chunked_head(chunked.graph):
+            chunked = None  # no head the router could take: the same step as the model's
+        if plain is None and chunked is None:
+            # neither fits: the smallest budget either head reaches, in the error (searched now)
+            errors = []
+            for c in (False, True):
+                try:
+                    return step(c)  # (fits only if the search's own plan does)
+                except InfeasibleBudgetError as e:
+                    errors.append(e)
+            raise min(errors, key=lambda e: e.min_feasible_bytes if e.min_feasible_bytes is not None
+                      else float("inf")) from None
+        if plain is None or (chunked is not None and chunked.plan.total_cost < plain.plan.total_cost):
             return chunked
         return plain
 

@@ -314,3 +314,33 @@ def test_bad_chunked_loss_values_are_refused():
         remat.optimize(model, budget_gb=1.0, example_inputs=args, chunked_loss="yes")
     with pytest.raises(remat.RematError, match="chunked_loss"):
         remat.capture(model, args, chunked_loss="auto")
+
+
+# ---- Hugging Face causal LMs with labels= ------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2"])
+def test_hugging_face_takes_the_chunked_head_where_it_pays(name):
+    pytest.importorskip("transformers")
+    from tests.hf_models import hf_batch, hf_model
+
+    vocab = 2048
+    model = hf_model(name, dropout=0.1, width=32, layers=1, vocab=vocab)
+    batch = hf_batch(name, vocab=vocab)  # rows padded, labels -100 there
+    params = [p for p in model.parameters() if p.requires_grad]
+    graph = remat.capture(model, (), batch)
+    keep = remat.solve(graph, None, solver="keep_all").predicted_peak_bytes
+    budget = int(0.75 * keep)
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=(), example_kwargs=batch, quiet=True)
+    assert opt.plan.details["loss_head"] == "chunked"
+    assert opt.plan.predicted_peak_bytes <= budget
+
+    def run(module):
+        for p in params:
+            p.grad = None
+        torch.manual_seed(0)
+        out = module(**batch)
+        out.loss.backward()
+        return [out.loss.detach()] + [p.grad.clone() for p in params], out.logits.detach()
+
+    (got, logits), (ref, ref_logits) = run(opt), run(model)
+    _close(got, ref, FP32)
+    assert torch.equal(logits, ref_logits)  # the returned logits are the model's linear's, as in eager
