@@ -291,10 +291,17 @@ class StepPlanner:
         o = self.options
         mode = chunked_loss_mode(o.chunked_loss)
 
+        traced: dict[bool, TrainingGraph] = {}  # each head's graph, planned or not
+
         def step(chunked: bool, search: bool = True) -> PlannedStep:
-            return planned_step(model, args, kwargs, o, Decision(self.choose(
-                model, args, kwargs, known=None, others=others, budget=budget, smallest_on_failure=search)),
-                call, chunked=chunked)
+            choose = self.choose(model, args, kwargs, known=None, others=others, budget=budget,
+                                 smallest_on_failure=search)
+
+            def recording(graph: TrainingGraph) -> tuple[Plan, str]:
+                traced[chunked] = graph
+                return choose(graph)
+
+            return planned_step(model, args, kwargs, o, Decision(recording), call, chunked=chunked)
 
         if mode != "auto" or o.solver != "checkmate":
             # the baselines reproduce their published methods on the model's own step
@@ -324,6 +331,11 @@ class StepPlanner:
             raise min(errors, key=lambda e: e.min_feasible_bytes if e.min_feasible_bytes is not None
                       else float("inf")) from None
         if plain is None or (chunked is not None and chunked.plan.total_cost < plain.plan.total_cost):
+            assert chunked is not None
+            if False in traced:  # what the chunked head costs beyond the model's, for reports
+                added = sum(n.flops for n in traced[True].nodes) - sum(n.flops for n in traced[False].nodes)
+                chunked.plan = dataclasses.replace(chunked.plan, details={**chunked.plan.details,
+                                                                          "loss_head_flops": added})
             return chunked
         return plain
 
