@@ -167,7 +167,7 @@ def main() -> int:
         row, text = gpt_check()
         rows.append(row)
         notes.append(text)
-    report = "\n".join([f"# `python benchmarks/loss_head.py`; machine: {machine()}", "", table(rows), "", *notes])
+    report = "\n".join(["# `python benchmarks/loss_head.py`", f"machine: {machine()}", "", table(rows), "", *notes])
     print(report)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

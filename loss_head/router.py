@@ -193,14 +193,17 @@ class LossHeadRouter(TorchFunctionMode):
             if func in TO_OPS and not (len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs) \
                     and not (len(args) == 1 and set(kwargs) == {"dtype"}):
                 return  # .to(device), .to(other), copy=..., non_blocking=...: not a plain cast
-            if out.shape != src.shape or not out.dtype.is_floating_point or out.dtype.is_complex \
-                    or torch.finfo(out.dtype).bits < torch.finfo(src.dtype).bits or out.device != src.device:
+            # only exact casts: the same dtype, or up to float32/float64 from no more bits
+            exact = out.dtype == src.dtype or (out.dtype in (torch.float32, torch.float64) and src.dtype.is_floating_point
+                                               and torch.finfo(out.dtype).bits >= torch.finfo(src.dtype).bits)
+            if out.shape != src.shape or not exact or out.device != src.device:
                 return
             if chain.stage == "logp" and out.dtype != src.dtype:
                 return
             self._tag(out, chain)
         elif func in RESHAPE_OPS:
-            if out.dim() < 1 or src.dim() < 1 or out.shape[-1] != src.shape[-1] or out.numel() != src.numel():
+            if out.dim() < 1 or src.dim() < 1 or out.shape[-1] != src.shape[-1] or out.numel() != src.numel() \
+                    or out.dtype != src.dtype:  # view(dtype) reinterprets the bits
                 return
             d = chain.h.shape[-1]
             self._tag(out, replace(chain, h=chain.h.reshape(tuple(out.shape[:-1]) + (d,))))
