@@ -346,3 +346,20 @@ def test_hugging_face_takes_the_chunked_head_where_it_pays(name):
     (got, logits), (ref, ref_logits) = run(opt), run(model)
     _close(got, ref, FP32)
     assert torch.equal(logits, ref_logits)  # the returned logits are the model's linear's, as in eager
+
+
+def test_a_plan_made_on_fake_tensors_deploys_its_head_on_the_real_model():
+    """remat.plan (meta model, "auto") chooses the chunked head where it pays; the real model of the
+    same shapes deploys that plan on the same graph (fingerprint) and trains as eager."""
+    model = LM(v=2000, d=16, spelling="hf")
+    args = _batch(model.v, b=4, t=16)
+    with torch.device("meta"):
+        meta = LM(v=2000, d=16, spelling="hf")
+    meta_args = tuple(a.to("meta") for a in args)
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    plan = remat.plan(meta, meta_args, budget_bytes=int(0.4 * keep), quiet=True)
+    assert plan.details["loss_head"] == "chunked" and plan.details["loss_head_flops"] > 0
+    opt = remat.optimize(model, example_inputs=args, plan=plan, quiet=True)
+    assert opt.plan.details["loss_head"] == "chunked"
+    params = list(model.parameters())
+    _close(_loss_grads(opt, params, args), _loss_grads(model, params, args), FP32)
