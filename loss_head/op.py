@@ -35,10 +35,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_linear_cross_entropy", "chunked_linear_cross_entropy_op",
+from remat.core.errors import RematError
+
+__all__ = ["ChunkedLossError", "chunked_linear_cross_entropy", "chunked_linear_cross_entropy_op",
            "chunked_linear_cross_entropy_backward_op", "chunk_rows_for", "block_cols_for", "REDUCTIONS"]
 
 REDUCTIONS = ("mean", "sum")
+
+
+class ChunkedLossError(RematError, ValueError):
+    """The chunked loss op was called with arguments it does not take (the message says which)."""
 
 
 def chunk_rows_for(n: int, d: int, v: int) -> int:
@@ -55,16 +61,16 @@ def block_cols_for(n: int, d: int, v: int) -> int:
 
 def _check(h, weight, bias, target, reduction: str, rows: int) -> None:
     if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
-        raise ValueError(f"chunked_linear_cross_entropy: h (N, d) and weight (V, d), got {tuple(h.shape)} "
+        raise ChunkedLossError(f"chunked_linear_cross_entropy: h (N, d) and weight (V, d), got {tuple(h.shape)} "
                          f"and {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must be (V,), got {tuple(bias.shape)}")
+        raise ChunkedLossError(f"bias must be (V,), got {tuple(bias.shape)}")
     if target.dim() != 1 or target.shape[0] != h.shape[0] or target.dtype != torch.int64:
-        raise ValueError(f"target must be int64 (N,), got {target.dtype} {tuple(target.shape)}")
+        raise ChunkedLossError(f"target must be int64 (N,), got {target.dtype} {tuple(target.shape)}")
     if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        raise ChunkedLossError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {rows}")
+        raise ChunkedLossError(f"chunk_rows must be >= 1, got {rows}")
 
 
 def _logits(h, weight, bias, compute_dtype, math_dtype):

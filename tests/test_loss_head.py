@@ -365,3 +365,15 @@ def test_a_plan_made_on_fake_tensors_deploys_its_head_on_the_real_model():
     assert opt.plan.details["loss_head"] == "chunked"
     params = list(model.parameters())
     _close(_loss_grads(opt, params, args), _loss_grads(model, params, args), FP32)
+
+
+def test_the_op_refuses_what_it_does_not_take():
+    from remat.loss_head.op import ChunkedLossError
+
+    h, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ChunkedLossError, match="weight"):
+        chunked_linear_cross_entropy(h, torch.randn(5, 3), None, t)
+    with pytest.raises(ChunkedLossError, match="reduction"):
+        chunked_linear_cross_entropy(h, w, None, t, reduction="none")
+    with pytest.raises(ChunkedLossError, match="target"):
+        chunked_linear_cross_entropy(h, w, None, t.int())
