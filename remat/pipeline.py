@@ -32,13 +32,15 @@ smallest feasible budget for it.
 **The loss head** (`chunked_loss`, remat/loss_head/): a linear head followed by cross-entropy can be
 traced as the chunked op, which keeps no [tokens, vocab] tensor but computes the logits once more
 in the backward. "on" traces it so wherever the router proves it the model's function, "off" never;
-"auto" (the default) makes it checkmate's choice (the baselines keep the model's head), per call: the step is planned with the model's
-own head first; where that plan recomputes nothing, it is kept (the chunked head would only add its
-matmul); otherwise (a plan that recomputes, or no plan that fits) the step is traced again with the
-chunked head and planned too, and the plan that fits with the lower total cost (the graph's cost plus
-its recomputations) is kept. The plan records its head (`details["loss_head"]`, and its context), and
-a saved plan is deployed on the head it was made for (deployment.py refuses one whose head
-`chunked_loss` excludes).
+"auto" (the default) makes it checkmate's choice (the baselines keep the model's head), per call:
+the step is planned with the model's own head first; where that plan recomputes nothing, it is kept
+(the chunked head would only add its matmul), and so is a fitting plan whose graph has no
+log-softmax of at least HEAD_SHARE (1%) of the budget (nothing a chunked head could save is worth a
+second trace); otherwise (a plan that recomputes, or no plan that fits) the step is traced again
+with the chunked head and planned too, and the plan that fits with the lower total cost (the
+graph's cost plus its recomputations) is kept. The plan records its head (`details["loss_head"]`,
+and its context), and a saved plan is deployed on the head it was made for (deployment.py refuses
+one whose head `chunked_loss` excludes).
 """
 from __future__ import annotations
 
@@ -156,6 +158,19 @@ class Planner:
         except Exception as e:
             raise PartitionFailed(e) from e
         return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+
+
+# "auto" traces the chunked head beside a plan that fits only where the model's head holds a
+# log-softmax of at least this share of the budget: below it the second trace costs more than the
+# head's bytes could save
+HEAD_SHARE = 0.01
+
+
+def _head_worth_tracing(graph: TrainingGraph, budget: int) -> bool:
+    """Whether `graph` (the model's head) has a cross-entropy whose log-softmax is big enough
+    (HEAD_SHARE of the budget) for the chunked head to be worth a second trace."""
+    sizes = [n.out_bytes for n in graph.nodes if not n.is_backward and n.op.startswith("_log_softmax")]
+    return bool(sizes) and max(sizes) >= HEAD_SHARE * budget
 
 
 def has_chunked_head(graph: TrainingGraph) -> bool:
@@ -314,6 +329,8 @@ class StepPlanner:
             plain = None
         if plain is not None and (limit is None or plain.plan.extra_cost == 0):
             return plain  # nothing recomputed: the chunked head could only add its matmul
+        if plain is not None and not _head_worth_tracing(traced[False], limit):
+            return plain
         try:
             chunked = step(True, search=False)
         except InfeasibleBudgetError:

@@ -377,3 +377,29 @@ def test_the_op_refuses_what_it_does_not_take():
         chunked_linear_cross_entropy(h, w, None, t, reduction="none")
     with pytest.raises(ChunkedLossError, match="target"):
         chunked_linear_cross_entropy(h, w, None, t.int())
+
+
+def test_auto_traces_once_where_the_head_is_too_small_to_matter(monkeypatch):
+    """A plan that recomputes but whose log-softmax is under HEAD_SHARE of the budget: no second trace."""
+    import remat.pipeline as pipeline
+
+    class Wide(nn.Module):  # big activations, a 3-class head
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+            self.head = nn.Linear(64, 3)
+
+        def forward(self, x, y):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return F.cross_entropy(self.head(x), y)
+
+    torch.manual_seed(0)
+    model, args = Wide(), (torch.randn(256, 64), torch.randint(0, 3, (256,)))
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    heads = []
+    real = pipeline.planned_step
+    monkeypatch.setattr(pipeline, "planned_step", lambda *a, chunked=False, **k: heads.append(chunked) or real(
+        *a, chunked=chunked, **k))
+    opt = remat.optimize(model, budget_bytes=int(0.8 * keep), example_inputs=args, quiet=True)
+    assert opt.plan.extra_cost > 0 and heads == [False] and opt.plan.details["loss_head"] == "unchunked"
