@@ -322,7 +322,7 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
     tracing = Stage("tracing the training step (forward and backward)", None, "it")
     try:
         with record_module_spans(model) as spans, route_attention(fused_attention, model), \
-                route_loss_head(bool(chunked_loss)) as head_router:
+                route_loss_head(bool(chunked_loss)):
             # the spans are complete once tracing is done, which is before AOTAutograd partitions
             def partition_with_paths(joint_gm, joint_inputs, **kw):
                 annotate_module_paths(joint_gm, spans)

@@ -11,7 +11,7 @@ from remat.blockwise import BlockwiseModule, plan_blockwise
 from remat.loss_head.router import chunked_loss_mode
 from remat.graph_capture.joint import TraceError
 from remat.core.training_graph import TrainingGraph
-from remat.pipeline import Decision, PlanOptions, StepPlanner, planned_step, trace_graph
+from remat.pipeline import Decision, PlanOptions, StepPlanner, plan_head, planned_step, trace_graph
 from remat.deployment import check_context, load_plan, rejudge
 from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, call_key, describe_key,
@@ -130,9 +130,10 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
         solved = Decision(planner.choose(model, args, kwargs, known=plan, others=[]),
                           how=f"plan from rank {solve_on_rank}")
         shared = plan_on_one_rank(solved, rejudge, src=solve_on_rank)
-        # every rank traces the same head: the chunked one only where it is asked for
+        # every rank traces the same head: a saved plan's, else the chunked one only where it is asked for
+        chunked = plan_head(plan) == "chunked" if plan is not None else chunked_loss_mode(chunked_loss) == "on"
         first = planned_step(model, args, kwargs, options, Decision(lambda g: (shared(g), solved.how)), call,
-                             chunked=chunked_loss_mode(chunked_loss) == "on")
+                             chunked=chunked)
     if not first.signature.outputs.single_scalar:
         warnings.warn(OutsideBudgetWarning(
             f"{type(model).__name__} returns {first.signature.outputs.describe()}, not a single loss: the budget "
