@@ -87,6 +87,9 @@ class PlanDetails(TypedDict, total=False):
     cores: int  # selective
     core_nodes: int
     fused_cores: int  # attention cores that are one fused op
+    # ---- the loss head (remat/pipeline.py) ------------------------------------------------------
+    loss_head: str  # "chunked" (remat's chunked linear cross-entropy op) or "unchunked" (the model's own)
+    loss_head_flops: int  # FLOPs the chunked head's graph adds to the model's (when both were traced)
     # ---- planning without the memory (remat/planning.py) ----------------------------------------
     estimated_workspaces: list[dict[str, Any]]
     buffers_without_data: list[str]

@@ -112,9 +112,10 @@ def _fake_inputs(args: tuple, kwargs: dict, mode) -> tuple[tuple, dict]:
 
 def capture_without_memory(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
                            device="cpu", fused_attention: bool | str = True,
-                           limits: ProbeLimits | None = None) -> TrainingGraph:
+                           limits: ProbeLimits | None = None, chunked_loss: bool = False) -> TrainingGraph:
     """The TrainingGraph of one training step of `model`, traced on fake tensors and measured for
-    `device` (see the module doc). `limits`: how large one op's probe may be (default ProbeLimits()).
+    `device` (see the module doc); with `chunked_loss`, its loss head traced as remat's chunked op
+    where the router can (remat.loss_head.router). `limits`: how large one op's probe may be (default ProbeLimits()).
     The graph's meta records `planned_for` (the device type), `estimated_workspaces` (the ops whose
     workspace was not measured at its traced shape, and how it was estimated), `buffers_without_data`
     (meta or fake buffers: a causal mask among them is not known to be one, so attention reading it
@@ -147,7 +148,7 @@ def capture_without_memory(model: nn.Module, example_inputs: tuple, example_kwar
         args, kwargs = _fake_inputs(tuple(example_inputs), dict(example_kwargs or {}), mode)
         with _fake_state(model, mode) as without_data:
             try:
-                trace_training_step(model, args, kwargs, partition, fused_attention)
+                trace_training_step(model, args, kwargs, partition, fused_attention, chunked_loss=chunked_loss)
             except _GraphBuilt:
                 pass
     assert built, "the partition function was not called"

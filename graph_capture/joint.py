@@ -292,11 +292,13 @@ def _user_frame(exc: BaseException) -> str:
 def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
                         partition_fn: Callable[..., Any],
                         fused_attention: bool | str = True,
-                        graph_compilers: tuple[Callable, Callable] | None = None) -> tuple[Callable, FlatSignature]:
+                        graph_compilers: tuple[Callable, Callable] | None = None,
+                        chunked_loss: bool = False) -> tuple[Callable, FlatSignature]:
     """Trace model(*args, **kwargs) + its backward. `partition_fn(joint_gm, joint_inputs,
     num_fwd_outputs=...)` receives the joint graph and returns (forward_gm, backward_gm).
     With `fused_attention` (True/"exact", "all" or False), attention the fused op can take is traced
-    as remat's flash-attention op (see remat.attention.router).
+    as remat's flash-attention op (see remat.attention.router). With `chunked_loss`, a linear head
+    followed by cross-entropy is traced as remat's chunked loss op (see remat.loss_head.router).
     `graph_compilers`: AOTAutograd's (forward, backward) compilers for the partitioned graphs
     (default: run them as they are, boxed). Modules torch.compile wrapped are traced as the eager
     modules they wrap (`set_stance("force_eager")`): the compiler must not run inside the trace.
@@ -307,6 +309,7 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
                                                     step_device_types)
     from remat.graph_capture.hf_compat import traced_as_compiled
     from remat.attention.router import fused_attention_mode, route_attention
+    from remat.loss_head.router import route_loss_head
 
     fused_attention_mode(fused_attention)  # bad values are the caller's error, not a trace failure
     kwargs = dict(kwargs or {})
@@ -318,7 +321,8 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
     partitioned = []
     tracing = Stage("tracing the training step (forward and backward)", None, "it")
     try:
-        with record_module_spans(model) as spans, route_attention(fused_attention, model):
+        with record_module_spans(model) as spans, route_attention(fused_attention, model), \
+                route_loss_head(bool(chunked_loss)):
             # the spans are complete once tracing is done, which is before AOTAutograd partitions
             def partition_with_paths(joint_gm, joint_inputs, **kw):
                 annotate_module_paths(joint_gm, spans)

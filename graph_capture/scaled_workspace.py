@@ -254,7 +254,33 @@ def _cuda_formula(n: fx.Node) -> int | None:
         B, H, SQ = q.meta["val"].shape[:3]
         per = allocation_bytes(B * H * SQ * 4, "cuda")
         return per * (2 if isinstance(dlse, fx.Node) else 1)
+    if target.startswith("remat.chunked_linear_cross_entropy"):
+        return _chunked_loss_workspace(n, backward=target.startswith("remat.chunked_linear_cross_entropy_backward"))
     return None
+
+
+def _chunked_loss_workspace(n: fx.Node, backward: bool) -> int:
+    """loss_head/op.py's temporaries at their largest: forward, one row chunk's logits in the
+    compute dtype and three float32 tensors of that size (the upcast, log-softmax, logsumexp's
+    exponentials); backward, dh's float32 accumulator, one vocabulary block's logits in the compute
+    dtype and four float32 tensors of that size, and the casts of h and W the compute dtype needs."""
+    def val(i):
+        a = n.args[i]
+        return a.meta["val"] if isinstance(a, fx.Node) else None
+
+    off = 1 if backward else 0
+    h, w = val(off), val(off + 1)
+    compute_dtype, last = n.args[7 + 2 * off], int(n.args[9 + 2 * off])  # the ops' argument positions
+    rows, d, v = h.shape[0], h.shape[1], w.shape[0]
+    cb = torch.tensor([], dtype=compute_dtype).element_size()
+    casts = (h.numel() * cb if h.dtype != compute_dtype else 0) + (w.numel() * cb if w.dtype != compute_dtype else 0)
+    if not backward:
+        chunk = min(rows, last) * v
+        parts = [chunk * cb, chunk * 4, chunk * 4, chunk * 4]
+    else:
+        block = rows * min(v, last)
+        parts = [rows * d * 4, block * cb, block * 4, block * 4, block * 4, block * 4, rows * d * cb]
+    return sum(allocation_bytes(p, "cuda") for p in parts) + allocation_bytes(casts, "cuda")
 
 
 def probe_within(gm: fx.GraphModule, device: torch.device | None, limits: ProbeLimits, allocator: str,

@@ -8,9 +8,10 @@ from typing import Any
 import torch.nn as nn
 
 from remat.blockwise import BlockwiseModule, plan_blockwise
+from remat.loss_head.router import chunked_loss_mode
 from remat.graph_capture.joint import TraceError
 from remat.core.training_graph import TrainingGraph
-from remat.pipeline import Decision, PlanOptions, StepPlanner, planned_step, trace_graph
+from remat.pipeline import Decision, PlanOptions, StepPlanner, plan_head, planned_step, trace_graph
 from remat.deployment import check_context, load_plan, rejudge
 from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, call_key, describe_key,
@@ -18,22 +19,28 @@ from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, Rem
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.settings import CaptureOptions, Solver, settle
 from remat.solving import solve
-from remat.validate import budget_in_bytes, check_capture_args, check_optimize_args, example_arguments
+from remat.validate import (budget_in_bytes, check_capture_args, check_chunked_loss, check_optimize_args,
+                            example_arguments)
 
 __all__ = ["capture", "solve", "optimize", "TraceError", "InfeasibleBudgetError"]
 
 
 def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None,
-            fused_attention: bool | str = True, *, quiet: bool = False, cost_model: str = "flops") -> TrainingGraph:
+            fused_attention: bool | str = True, *, quiet: bool = False, cost_model: str = "flops",
+            chunked_loss: bool = False) -> TrainingGraph:
     """Trace one training step of `model` (forward and backward, ATen level) into a TrainingGraph.
     `fused_attention`: trace attention as remat's flash op where it can (see `optimize`).
     quiet: no progress on stderr (shown otherwise for stages longer than a couple of seconds).
     cost_model: "flops" (default; deterministic): each node costs its FLOPs plus a weight per byte
     moved; "measured": each node costs the median time its ops take on the capture device, in
     nanoseconds, as Checkmate profiles its ops (graph_capture/op_timing.py; plans may then differ
-    from run to run). The graph's structure, bytes and fingerprint are the same either way."""
+    from run to run). The graph's structure, bytes and fingerprint are the same either way.
+    chunked_loss: trace a linear head followed by cross-entropy as remat's chunked loss op where the
+    router proves it the model's function (see `optimize`; default False: the model's own head)."""
     check_capture_args(model, example_inputs, example_kwargs, fused_attention, cost_model)  # before any tracing
-    return trace_graph(model, example_arguments(example_inputs), example_kwargs, fused_attention, cost_model, quiet)
+    check_chunked_loss(chunked_loss, allow_auto=False)
+    return trace_graph(model, example_arguments(example_inputs), example_kwargs, fused_attention, cost_model, quiet,
+                       chunked_loss=bool(chunked_loss))
 
 
 def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs: Any,
@@ -42,14 +49,14 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
              plan: Plan | str | os.PathLike | None = None, compiled: bool = False,
              cache_limit: int = DEFAULT_CACHE_LIMIT, solve_on_rank: int | None = None, quiet: bool = False,
              time_limit_s: float | None = None, fused_attention: bool | str = True, cost_model: str = "flops",
-             **solver_kwargs) -> RematModule | BlockwiseModule:
+             chunked_loss: bool | str = "auto", **solver_kwargs) -> RematModule | BlockwiseModule:
     """Return a drop-in module whose training steps peak under the budget.
 
     The settings come in groups (remat/settings.py): the budget (`budget_gb` or `budget_bytes`),
     the solver (`solver=remat.Solver("checkmate", time_limit_s=..., **its options)`, or its name
     with `time_limit_s` and its options as keywords), the capture
-    (`capture=remat.CaptureOptions(fused_attention=..., cost_model=...)`, or those two as
-    keywords), and how the module runs (`plan`, `compiled`, `cache_limit`, `solve_on_rank`,
+    (`capture=remat.CaptureOptions(fused_attention=..., cost_model=..., chunked_loss=...)`, or
+    those as keywords), and how the module runs (`plan`, `compiled`, `cache_limit`, `solve_on_rank`,
     `quiet`).
 
     The budget is the real peak of one training step, forward and backward: parameters,
@@ -69,6 +76,15 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     model computes; "all" also fuses attention with dropout on its probabilities, drawing the
     masks from remat's own counter-based generator (same distribution, other masks than torch's);
     False fuses nothing.
+    `chunked_loss` decides the loss head: a linear (or a matmul with a tied embedding) followed by
+    cross-entropy (or log_softmax + nll_loss), mean or sum, with ignore_index and label smoothing, can
+    run as remat's chunked op (remat/loss_head/), which computes the loss over row chunks and the
+    logits again in the backward, so no [tokens, vocab] tensor lives whole, at one more logits
+    matmul. "auto" (default) plans the step with the model's head and, where that plan recomputes
+    or does not fit, with the chunked head too, and keeps the cheaper plan that fits (per kind of
+    call; `plan.details["loss_head"]` says which); True/"on" chunks wherever the router can, False/"off"
+    never. Where the model also returns its logits (Hugging Face's `.logits`), they are still
+    computed by the model's own linear, with eager's values.
     The model itself is not modified. The module returns what the model returns (any pytree,
     dataclasses included, rebuilt on every call); an output that is neither a tensor nor a
     constant (e.g. a Hugging Face cache: pass use_cache=False) raises OutputError here, and an
@@ -95,9 +111,9 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     these inputs, recomputing least of the plans tried (`module.compiled_fit` lists each round's
     plan budget and measured peak), or InfeasibleBudgetError says what each round measured."""
     chosen, how = settle(solver, time_limit_s, solver_kwargs, capture, fused_attention=fused_attention,
-                         cost_model=cost_model)
+                         cost_model=cost_model, chunked_loss=chunked_loss)
     solver, time_limit_s, solver_kwargs = chosen.name, chosen.time_limit_s, chosen.kwargs
-    fused_attention, cost_model = how.fused_attention, how.cost_model
+    fused_attention, cost_model, chunked_loss = how.fused_attention, how.cost_model, how.chunked_loss
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
                         plan, fused_attention, solver_kwargs, cost_model, compiled, solve_on_rank, cache_limit)
     budget = budget_in_bytes(budget_gb, budget_bytes)  # None: keep_all with no budget, or a saved plan's
@@ -106,12 +122,12 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     if plan is not None and not isinstance(plan, Plan):  # the path of a saved plan
         plan = load_plan(plan)
     if plan is not None:  # made for another model, shape, device or mode: refused before tracing
-        check_context(plan, model, args, kwargs, fused_attention)
+        check_context(plan, model, args, kwargs, fused_attention, chunked_loss=chunked_loss)
         if budget is None:  # later kinds of call are planned under the saved plan's budget
             budget = plan.budget_bytes
     options = PlanOptions(budget_bytes=budget, solver=solver, time_limit_s=time_limit_s,
                           solver_options=tuple(solver_kwargs.items()), fused_attention=fused_attention,
-                          cost_model=cost_model, quiet=quiet, compiled=compiled)
+                          cost_model=cost_model, quiet=quiet, compiled=compiled, chunked_loss=chunked_loss)
     planner = StepPlanner(options)
     key, _ = call_key(model, args, kwargs, model_device_types(model))
     call = describe_key(key)
@@ -126,7 +142,10 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
         solved = Decision(planner.choose(model, args, kwargs, known=plan, others=[]),
                           how=f"plan from rank {solve_on_rank}")
         shared = plan_on_one_rank(solved, rejudge, src=solve_on_rank)
-        first = planned_step(model, args, kwargs, options, Decision(lambda g: (shared(g), solved.how)), call)
+        # every rank traces the same head: a saved plan's, else the chunked one only where it is asked for
+        chunked = plan_head(plan) == "chunked" if plan is not None else chunked_loss_mode(chunked_loss) == "on"
+        first = planned_step(model, args, kwargs, options, Decision(lambda g: (shared(g), solved.how)), call,
+                             chunked=chunked)
     if not first.signature.outputs.single_scalar:
         warnings.warn(OutsideBudgetWarning(
             f"{type(model).__name__} returns {first.signature.outputs.describe()}, not a single loss: the budget "

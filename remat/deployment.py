@@ -3,7 +3,8 @@
 A plan saved by `remat solve` or `opt.plan.save(path)` records its context (`plan_context`): the
 model (class, and each parameter and buffer by name, shape and dtype), the example inputs (shape
 and dtype of every tensor, the value of everything else), the device, the autocast state, the
-train/eval mode, `fused_attention`, the torch version, the solver and its options, and the machine.
+train/eval mode, `fused_attention`, the loss head (`loss_head`: "chunked" or "unchunked", added by
+remat/pipeline.py), the torch version, the solver and its options, and the machine.
 The file format itself (schema version, the graph saved with the plan, the checks that the file
 is what it says) is core/plan.py's.
 
@@ -11,7 +12,8 @@ Deploying checks, cheapest first, so a plan for something else is refused with o
 what differs and what to do (`PlanMismatchError`), never deployed:
 
 1. before tracing (`check_context`): another model (parameters), other input shapes or dtypes,
-   another device type, another train/eval mode, autocast state or fused_attention;
+   another device type, another train/eval mode, autocast state or fused_attention, or a loss head
+   that `chunked_loss` excludes (a chunked plan under "off", an unchunked one under "on");
 2. after tracing (`rejudge`): the graph's fingerprint; when it differs although everything above
    matched, the message says what else can change a graph (the torch version, if it differs, or
    the model's code). The plan is then simulated on the graph traced here (op workspaces are
@@ -29,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from remat.attention.router import fused_attention_mode
+from remat.loss_head.router import chunked_loss_mode
 from remat.graph_capture.autocast_state import AutocastState, step_device_types
 from remat.core.training_graph import TrainingGraph
 from remat.machine_info import machine
@@ -173,7 +176,8 @@ def _model_difference(saved: dict, state: list[list]) -> str | None:
 
 
 def check_context(plan: Plan, model: nn.Module, args: Any, kwargs: dict | None = None,
-                  fused_attention: bool | str = True, source: str | None = None) -> None:
+                  fused_attention: bool | str = True, source: str | None = None,
+                  chunked_loss: bool | str = "auto") -> None:
     """Refuse (PlanMismatchError, one line) a plan made for another model, other input shapes or
     dtypes, another device, mode, autocast state or fused_attention, before anything is traced.
     A plan without context (schema 1, or never saved) is checked by its fingerprint alone."""
@@ -217,6 +221,11 @@ def check_context(plan: Plan, model: nn.Module, args: Any, kwargs: dict | None =
         raise PlanMismatchError(f"{src} was made with fused_attention={ctx['fused_attention']!r}, this is "
                                 f"fused_attention={fused_attention_mode(fused_attention)!r}: pass "
                                 f"fused_attention={ctx['fused_attention']!r}, or solve with this setting")
+    head, mode = ctx.get("loss_head"), chunked_loss_mode(chunked_loss)
+    if (head == "chunked" and mode == "off") or (head == "unchunked" and mode == "on"):
+        # the plan's fingerprint is that of the graph with its head: the other head is another graph
+        raise PlanMismatchError(f"{src} was made with the loss head {head}, this is chunked_loss={chunked_loss!r}: "
+                                f"pass chunked_loss='auto' (the plan's head), or solve with this setting")
 
 
 def rejudge(plan: Plan, graph: TrainingGraph, source: str | None = None) -> Plan:

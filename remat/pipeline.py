@@ -28,6 +28,19 @@ traced (the graph depends on it), then planned in the first of these ways that a
 4. otherwise the strategy solves the graph (baselines always do: they are fast).
 The budget holds at every shape: where no plan fits, InfeasibleBudgetError names the call and the
 smallest feasible budget for it.
+
+**The loss head** (`chunked_loss`, remat/loss_head/): a linear head followed by cross-entropy can be
+traced as the chunked op, which keeps no [tokens, vocab] tensor but computes the logits once more
+in the backward. "on" traces it so wherever the router proves it the model's function, "off" never;
+"auto" (the default) makes it checkmate's choice (the baselines keep the model's head), per call:
+the step is planned with the model's own head first; where that plan recomputes nothing, it is kept
+(the chunked head would only add its matmul), and so is a fitting plan whose graph has no
+log-softmax of at least HEAD_SHARE (1%) of the budget (nothing a chunked head could save is worth a
+second trace); otherwise (a plan that recomputes, or no plan that fits) the step is traced again
+with the chunked head and planned too, and the plan that fits with the lower total cost (the
+graph's cost plus its recomputations) is kept. The plan records its head (`details["loss_head"]`,
+and its context), and a saved plan is deployed on the head it was made for (deployment.py refuses
+one whose head `chunked_loss` excludes).
 """
 from __future__ import annotations
 
@@ -53,12 +66,14 @@ from remat.runtime.module import (DEFAULT_CACHE_LIMIT, PlannedStep, PlanRecord, 
                                   model_device_types)
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
+from remat.solver.checkmate.peak_rows import peak_floor
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
 from remat.core.simulator import ScheduleError, simulate
-from remat.solving import solve
+from remat.loss_head.router import chunked_loss_mode
+from remat.solving import solve, strategy_options
 
 __all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
-           "REUSE_TIGHTNESS"]
+           "REUSE_TIGHTNESS", "has_chunked_head", "plan_head"]
 
 # A schedule planned for another call serves a new one when its peak there uses at least this share
 # of the budget: with more room left a solve is likely to find a plan that recomputes less.
@@ -78,6 +93,7 @@ class PlanOptions:
     cost_model: str = "flops"  # what the solver minimises: "flops" or "measured"
     quiet: bool = False  # no progress lines on stderr
     compiled: bool = False  # measure the Inductor-compiled step and plan until it fits (compiled_fit.py)
+    chunked_loss: bool | str = "auto"  # the loss head chunked: "auto" (the cheaper plan), "on"/True, "off"/False
 
     @property
     def solver_kwargs(self) -> dict[str, Any]:
@@ -144,10 +160,35 @@ class Planner:
         return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
 
 
+# "auto" traces the chunked head beside a plan that fits only where the model's head holds a
+# log-softmax of at least this share of the budget: below it the second trace costs more than the
+# head's bytes could save
+HEAD_SHARE = 0.01
+
+
+def _head_worth_tracing(graph: TrainingGraph, budget: int) -> bool:
+    """Whether `graph` (the model's head) has a cross-entropy whose log-softmax is big enough
+    (HEAD_SHARE of the budget) for the chunked head to be worth a second trace."""
+    sizes = [n.out_bytes for n in graph.nodes if not n.is_backward and n.op.startswith("_log_softmax")]
+    return bool(sizes) and max(sizes) >= HEAD_SHARE * budget
+
+
+def has_chunked_head(graph: TrainingGraph) -> bool:
+    """Whether the loss head of `graph` is remat's chunked op (the router routed one)."""
+    return any(n.op.startswith("chunked_linear_cross_entropy") for n in graph.nodes)
+
+
+def plan_head(plan: Plan) -> str:
+    """The loss head a plan was made for: "chunked" or "unchunked" (plans made before the
+    option existed: unchunked)."""
+    return plan.context.get("loss_head") or plan.details.get("loss_head") or "unchunked"
+
+
 def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, decision: Decision,
-                 call: str) -> PlannedStep:
-    """Trace `model(*args, **kwargs)` with its backward, plan it with `decision` and return the
-    planned step (trace, decide and lower; see the module docstring)."""
+                 call: str, chunked: bool = False) -> PlannedStep:
+    """Trace `model(*args, **kwargs)` with its backward (its loss head chunked if `chunked` and
+    the router can), plan it with `decision` and return the planned step (trace, decide and lower;
+    see the module docstring). The plan records the head it was made for."""
     graphs = PlannedGraphs()
     if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
         graphs.use_inductor()
@@ -155,9 +196,13 @@ def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptio
     t0 = time.perf_counter()
     with progress.quiet(options.quiet):
         step, sig = trace_training_step(model, args, kwargs, planner, options.fused_attention,
-                                        graph_compilers=graphs.compilers)
+                                        graph_compilers=graphs.compilers, chunked_loss=chunked)
     total = time.perf_counter() - t0
     assert planner.plan is not None
+    head = "chunked" if has_chunked_head(planner.graph) else "unchunked"
+    planner.plan = dataclasses.replace(planner.plan, details={**planner.plan.details, "loss_head": head},
+                                       context={**planner.plan.context, "loss_head": head}
+                                       if planner.plan.context else planner.plan.context)
     record = PlanRecord(call=call, how=decision.how, trace_s=total - decision.seconds, plan_s=decision.seconds,
                         predicted_peak_bytes=planner.plan.predicted_peak_bytes, budget_bytes=options.budget_bytes)
     return PlannedStep(step, sig, planner.plan, planner.graph, graphs, record)
@@ -192,9 +237,12 @@ class StepPlanner:
     options: PlanOptions
 
     def choose(self, model: nn.Module, args: tuple, kwargs: dict, *, known: Plan | None,
-               others: list[tuple[str, Plan]], budget: int | None = None) -> Callable[[TrainingGraph], tuple[Plan, str]]:
+               others: list[tuple[str, Plan]], budget: int | None = None,
+               smallest_on_failure: bool = True) -> Callable[[TrainingGraph], tuple[Plan, str]]:
         """graph -> (plan, how) for this call: the order of the module docstring; `budget`
-        overrides the options' (compiled_fit.py plans at lowered budgets)."""
+        overrides the options' (compiled_fit.py plans at lowered budgets). Without
+        `smallest_on_failure`, a budget no plan fits raises InfeasibleBudgetError without searching
+        for the smallest feasible one (min_feasible_bytes None): the other loss head may fit."""
         o = self.options
         budget = o.budget_bytes if budget is None else budget
         context = plan_context(model, args, kwargs, fused_attention=o.fused_attention, solver=o.solver,
@@ -213,8 +261,16 @@ class StepPlanner:
                 reused = _reused(graph, budget, o, others)
                 if reused is not None:
                     return dataclasses.replace(reused[0], context=context), reused[1]
-            plan = solve(graph, budget, solver=o.solver, time_limit_s=o.time_limit_s, quiet=o.quiet,
-                         **o.solver_kwargs)
+            if smallest_on_failure or budget is None:
+                plan = solve(graph, budget, solver=o.solver, time_limit_s=o.time_limit_s, quiet=o.quiet,
+                             **o.solver_kwargs)
+            else:
+                if peak_floor(graph) > budget:  # proven: no schedule in the graph's order fits
+                    raise InfeasibleBudgetError(f"no plan fits {budget / 2**20:.2f} MiB (the peak's floor is over it)")
+                plan = get_solver(o.solver)(graph, budget, **strategy_options(
+                    o.solver, o.time_limit_s, o.solver_kwargs).as_kwargs())
+                if plan.status == "infeasible" or not plan.fits:
+                    raise InfeasibleBudgetError(f"no {o.solver} plan fits {budget / 2**20:.2f} MiB")
             return dataclasses.replace(plan, context=context), "solved"
 
         return choose
@@ -229,25 +285,85 @@ class StepPlanner:
                 from remat.compiled_fit import fit_compiled
 
                 def build(b: int) -> PlannedStep:
-                    return planned_step(model, args, kwargs, o, Decision(self.choose(
-                        model, args, kwargs, known=None, others=others, budget=b)), call)
+                    return self._best_head(model, args, kwargs, others, call, b)
 
                 return fit_compiled(build, o.budget_bytes, model, args, kwargs)
-            step = planned_step(model, args, kwargs, o, Decision(self.choose(
-                model, args, kwargs, known=known, others=others)), call)
+            if known is not None:  # a saved plan runs on the head it was made for
+                step = planned_step(model, args, kwargs, o, Decision(self.choose(
+                    model, args, kwargs, known=known, others=others)), call, chunked=plan_head(known) == "chunked")
+            else:
+                step = self._best_head(model, args, kwargs, others, call, None)
             if o.compiled:
                 step.graphs.use_inductor()
             return step
         except InfeasibleBudgetError as e:
             raise InfeasibleBudgetError(f"{call}: {e}", min_feasible_bytes=e.min_feasible_bytes) from None
 
+    def _best_head(self, model: nn.Module, args: tuple, kwargs: dict, others: list[tuple[str, Plan]], call: str,
+                   budget: int | None) -> PlannedStep:
+        """The planned step with the loss head `chunked_loss` asks for; under "auto" the cheaper
+        of the two heads' plans that fits (the module docstring)."""
+        o = self.options
+        mode = chunked_loss_mode(o.chunked_loss)
+
+        traced: dict[bool, TrainingGraph] = {}  # each head's graph, planned or not
+
+        def step(chunked: bool, search: bool = True) -> PlannedStep:
+            choose = self.choose(model, args, kwargs, known=None, others=others, budget=budget,
+                                 smallest_on_failure=search)
+
+            def recording(graph: TrainingGraph) -> tuple[Plan, str]:
+                traced[chunked] = graph
+                return choose(graph)
+
+            return planned_step(model, args, kwargs, o, Decision(recording), call, chunked=chunked)
+
+        if mode != "auto" or o.solver != "checkmate":
+            # the baselines reproduce their published methods on the model's own step
+            return step(mode == "on")
+        limit = o.budget_bytes if budget is None else budget
+        # a budget the model's head does not fit is not searched below here: the chunked head may fit
+        try:
+            plain = step(False, search=False)
+        except InfeasibleBudgetError:
+            plain = None
+        if plain is not None and (limit is None or plain.plan.extra_cost == 0):
+            return plain  # nothing recomputed: the chunked head could only add its matmul
+        if plain is not None and not _head_worth_tracing(traced[False], limit):
+            return plain
+        try:
+            chunked = step(True, search=False)
+        except InfeasibleBudgetError:
+            chunked = None
+        if chunked is not None and not has_chunked_head(chunked.graph):
+            chunked = None  # no head the router could take: the same step as the model's
+        if plain is None and chunked is None:
+            # neither fits: the smallest budget either head reaches, in the error (searched now)
+            errors = []
+            for c in (False, True):
+                try:
+                    return step(c)  # (fits only if the search's own plan does)
+                except InfeasibleBudgetError as e:
+                    errors.append(e)
+            raise min(errors, key=lambda e: e.min_feasible_bytes if e.min_feasible_bytes is not None
+                      else float("inf")) from None
+        if plain is None or (chunked is not None and chunked.plan.total_cost < plain.plan.total_cost):
+            assert chunked is not None
+            if False in traced:  # what the chunked head costs beyond the model's, for reports
+                added = sum(n.flops for n in traced[True].nodes) - sum(n.flops for n in traced[False].nodes)
+                chunked.plan = dataclasses.replace(chunked.plan, details={**chunked.plan.details,
+                                                                          "loss_head_flops": added})
+            return chunked
+        return plain
+
 
 def trace_graph(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str = True,
-                cost_model: str = "flops", quiet: bool = False) -> TrainingGraph:
-    """The TrainingGraph of one call's training step, traced and split as AOTAutograd would (no plan)."""
+                cost_model: str = "flops", quiet: bool = False, chunked_loss: bool = False) -> TrainingGraph:
+    """The TrainingGraph of one call's training step, traced and split as AOTAutograd would (no
+    plan); with `chunked_loss`, its loss head traced as the chunked op where the router can."""
     planner = Planner(type(model).__name__, cost_model=cost_model)
     with progress.quiet(quiet):
-        trace_training_step(model, args, kwargs, planner, fused_attention)
+        trace_training_step(model, args, kwargs, planner, fused_attention, chunked_loss=chunked_loss)
     return planner.graph
 
 

@@ -30,9 +30,12 @@ from remat.core import progress
 from remat.graph_capture.fake_capture import capture_without_memory, planned_device
 from remat.graph_capture.scaled_workspace import ProbeLimits
 from remat.core.training_graph import TrainingGraph
-from remat.core.plan import Plan
-from remat.validate import (RematArgumentError, RematArgumentTypeError, budget_in_bytes, check_optimize_args,
-                            example_arguments)
+from remat.core.plan import InfeasibleBudgetError, Plan
+from remat.loss_head.router import chunked_loss_mode
+from remat.pipeline import has_chunked_head
+from remat.solver.checkmate.peak_rows import peak_floor
+from remat.validate import (RematArgumentError, RematArgumentTypeError, budget_in_bytes,
+                            check_optimize_args, example_arguments)
 
 __all__ = ["plan", "capture_without_memory", "ProbeLimits"]
 
@@ -59,7 +62,8 @@ def _limits(probe_limit_bytes: Any) -> ProbeLimits:
 def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, *, budget_bytes: int | None = None,
          device="cpu", example_kwargs: dict | None = None, solver: str | Solver = "checkmate",
          capture: CaptureOptions | None = None, probe_limit_bytes: int | None = None, quiet: bool = False,
-         time_limit_s: float | None = None, fused_attention: bool | str = True, **solver_kwargs) -> Plan:
+         time_limit_s: float | None = None, fused_attention: bool | str = True, chunked_loss: bool | str = "auto",
+         **solver_kwargs) -> Plan:
     """Plan one training step of `model` under the budget for `device`, without allocating the
     step's memory: `model` may live on the meta device or be made of fake tensors, and
     `example_inputs` may be meta or fake tensors (only shapes, strides and dtypes are read).
@@ -75,13 +79,17 @@ def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, 
     plan will not match the real model's graph if the real mask fuses it (build such a mask in
     `forward`, use `scaled_dot_product_attention(is_causal=True)`, or give the model real buffers).
     The budget, the solver and capture settings (as groups or keywords) and `quiet` are
-    `remat.optimize`'s (a plan made here is traced with the "flops" cost model). Deploy the plan with
+    `remat.optimize`'s (a plan made here is traced with the "flops" cost model; `chunked_loss`
+    "auto": the step is captured with the chunked loss head too where the model's own head
+    recomputes or does not fit, and the plan that fits at the lower total cost is kept;
+    `plan.details["loss_head"]` says which, and deploying traces that head). Deploy the plan with
     `remat.optimize(model, example_inputs=..., plan=plan)` on the real model and inputs of the same
     shapes: it is judged again there, with every workspace measured."""
     # remat.optimize's checks (a budget is required), before any tracing
-    chosen, how = settle(solver, time_limit_s, solver_kwargs, capture, fused_attention=fused_attention)
-    solver, time_limit_s, solver_kwargs, fused_attention = chosen.name, chosen.time_limit_s, chosen.kwargs, \
-        how.fused_attention
+    chosen, how = settle(solver, time_limit_s, solver_kwargs, capture, fused_attention=fused_attention,
+                         chunked_loss=chunked_loss)
+    solver, time_limit_s, solver_kwargs = chosen.name, chosen.time_limit_s, chosen.kwargs
+    fused_attention, chunked_loss = how.fused_attention, how.chunked_loss
     if how.cost_model != "flops":
         raise RematArgumentError("remat.plan plans without the memory, so it cannot time ops: cost_model='flops' only")
     check_optimize_args(model, budget_gb, budget_bytes, example_inputs, example_kwargs, solver, time_limit_s,
@@ -94,11 +102,48 @@ def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, 
         # does not apply and CPU autocast casts other ops: the graph would not be the GPU's
         raise RematArgumentError("remat.plan cannot plan a step under CUDA autocast (it traces on the CPU); "
                                  "solve on the GPU with remat.optimize, or plan in full precision")
+    mode = chunked_loss_mode(chunked_loss)
+
+    def capture(chunked: bool) -> TrainingGraph:
+        return capture_without_memory(model, example_arguments(example_inputs), example_kwargs, device=dev,
+                                      fused_attention=fused_attention, limits=limits, chunked_loss=chunked)
+
+    def solved(graph: TrainingGraph) -> Plan:
+        p = solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
+        head = "chunked" if has_chunked_head(graph) else "unchunked"
+        return dataclasses.replace(p, details={**p.details, **plan_details(graph), "loss_head": head})
+
     with progress.quiet(quiet):
-        graph = capture_without_memory(model, example_arguments(example_inputs), example_kwargs, device=dev,
-                                       fused_attention=fused_attention, limits=limits)
-        solved = solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
-    return dataclasses.replace(solved, details={**solved.details, **plan_details(graph)})
+        graph = capture(mode == "on")
+        if mode != "auto" or solver != "checkmate":  # (the baselines keep the model's head, as in optimize)
+            return solved(graph)
+        plain, failed = None, None
+        if budget is None or peak_floor(graph) <= budget:  # else proven not to fit: no search for its smallest
+            try:
+                plain = solved(graph)
+            except InfeasibleBudgetError as e:
+                failed = e
+        if plain is not None and plain.extra_cost == 0:
+            return plain  # nothing recomputed: the chunked head could only add its matmul
+        other = capture(True)
+        if not has_chunked_head(other):
+            return plain if plain is not None else solved(graph)  # (raises, naming its smallest budget)
+        try:
+            chunked = solved(other)
+        except InfeasibleBudgetError as e:
+            if plain is not None:
+                return plain
+            if failed is None:
+                try:
+                    return solved(graph)  # searched now for the error's smallest budget
+                except InfeasibleBudgetError as f:
+                    failed = f
+            raise min((failed, e), key=lambda x: x.min_feasible_bytes if x.min_feasible_bytes is not None
+                      else float("inf")) from None
+        if plain is None or chunked.total_cost < plain.total_cost:
+            added = sum(n.flops for n in other.nodes) - sum(n.flops for n in graph.nodes)
+            return dataclasses.replace(chunked, details={**chunked.details, "loss_head_flops": added})
+        return plain
 
 
 def plan_details(graph: TrainingGraph) -> dict:

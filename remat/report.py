@@ -131,15 +131,21 @@ def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes
         grads_ok = all(a is not None and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs)
         err = max(float((a - b).abs().max()) if a is not None else float("inf") for a, b in pairs)
     else:
-        ref_flops = flops - opt.plan.extra_flops
+        ref_flops = flops - _extra_flops(opt.plan)
     step.fresh()
     p = opt.plan
     return StrategyRow(strategy=strategy, budget_bytes=budget_bytes, status=p.status,
                        predicted_peak_bytes=p.predicted_peak_bytes, measured_peak_bytes=peak,
                        extra_cost_frac=p.extra_cost / opt.graph.total_cost,
-                       extra_flops_predicted=p.extra_flops, extra_flops_measured=flops - ref_flops,
+                       extra_flops_predicted=_extra_flops(p), extra_flops_measured=flops - ref_flops,
                        solve_time_s=p.solve_time_s, step_time_s=step_time,
                        grads_match=grads_ok, max_grad_err=err, plan=p)
+
+
+def _extra_flops(plan: Plan) -> int:
+    """The FLOPs the plan's step performs beyond the model's keep_all step: its recomputations, and
+    what a chunked loss head adds (remat/pipeline.py records it)."""
+    return plan.extra_flops + int(plan.details.get("loss_head_flops", 0))
 
 
 def format_table(rows: Sequence[StrategyRow], keep_all_peak: int | None = None) -> str:

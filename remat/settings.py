@@ -3,11 +3,12 @@ with which options, and how the step is captured.
 
     remat.optimize(model, budget_gb=40, example_inputs=batch,
                    solver=remat.Solver("checkmate", time_limit_s=120, mip_gap=1e-3),
-                   capture=remat.CaptureOptions(fused_attention="all", cost_model="measured"))
+                   capture=remat.CaptureOptions(fused_attention="all", cost_model="measured",
+                                                chunked_loss="auto"))
 
 Each group is checked when it is made (RematArgumentError naming the bad setting). The flat
 keywords of `optimize` and `remat.plan` (`solver="checkmate"`, `time_limit_s=`, the strategy's
-options as keywords, `fused_attention=`, `cost_model=`) are shorthands for the same fields; a
+options as keywords, `fused_attention=`, `cost_model=`, `chunked_loss=`) are shorthands for the same fields; a
 setting given both in a group and as a keyword raises, so no call says two things.
 """
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from remat.validate import RematArgumentError, RematArgumentTypeError, check_cost_model, check_fused_attention, \
-    check_solver, check_time_limit
+from remat.validate import RematArgumentError, RematArgumentTypeError, check_chunked_loss, check_cost_model, \
+    check_fused_attention, check_solver, check_time_limit
 
 __all__ = ["Solver", "CaptureOptions", "settle"]
 
@@ -46,14 +47,18 @@ class Solver:
 @dataclass(frozen=True)
 class CaptureOptions:
     """How the training step is traced: which attention runs remat's fused op (`fused_attention`,
-    see `remat.optimize`) and what the solver minimises (`cost_model`: "flops" or "measured")."""
+    see `remat.optimize`), what the solver minimises (`cost_model`: "flops" or "measured") and
+    whether the loss head is traced as remat's chunked op (`chunked_loss`: "auto", the cheaper
+    plan of both; True/"on"; False/"off")."""
 
     fused_attention: bool | str = True
     cost_model: str = "flops"
+    chunked_loss: bool | str = "auto"
 
     def __post_init__(self) -> None:
         check_fused_attention(self.fused_attention)
         check_cost_model(self.cost_model)
+        check_chunked_loss(self.chunked_loss)
 
 
 def settle(solver: Any, time_limit_s: Any, solver_kwargs: dict, capture: Any,

@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["RematArgumentError", "RematArgumentTypeError", "budget_in_bytes", "check_optimize_args",
            "check_capture_args", "check_solve_args", "check_solver", "check_time_limit", "check_cost_model",
-           "check_fused_attention", "example_arguments"]
+           "check_fused_attention", "check_chunked_loss", "example_arguments"]
 
 GB = 1e9  # budget_gb is in units of 10^9 bytes
 
@@ -109,6 +109,19 @@ def check_fused_attention(fused_attention: Any) -> None:
     except (TypeError, ValueError):
         raise RematArgumentError(f"fused_attention must be True, False, 'exact', 'all' or 'off', "
                                  f"got {fused_attention!r}") from None
+
+
+def check_chunked_loss(chunked_loss: Any, allow_auto: bool = True) -> None:
+    """`chunked_loss`: True/"on", False/"off", or "auto" (where planning chooses; not for capture)."""
+    from remat.loss_head.router import chunked_loss_mode
+
+    try:
+        mode = chunked_loss_mode(chunked_loss)
+    except (TypeError, ValueError):
+        mode = None
+    if mode is None or (mode == "auto" and not allow_auto):
+        allowed = "True, False, 'on', 'off' or 'auto'" if allow_auto else "True or False"
+        raise RematArgumentError(f"chunked_loss must be {allowed}, got {chunked_loss!r}")
 
 
 def check_cost_model(cost_model: Any) -> None:

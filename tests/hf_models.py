@@ -19,24 +19,30 @@ VOCAB, BATCH, SEQ = 128, 4, 32
 
 
 def hf_model(name: str, dropout: float = 0.1, seed: int = 0, *, width: int = 64, layers: int = 2,
-             seq: int = SEQ, image: int = 32) -> torch.nn.Module:
+             seq: int = SEQ, image: int = 32, vocab: int = VOCAB) -> torch.nn.Module:
     """A tiny `name` model (one of HF_MODELS) in train mode, with dropout `dropout` everywhere it
     has dropout (LLaMA: on the attention probabilities only): hidden size `width`, 4 heads, MLP
     2 x width, `layers` blocks (T5: layers // 2 in the encoder and in the decoder), positions for
-    `seq` tokens, ViT: `image` x `image` pictures in 4 x 4 patches."""
+    `seq` tokens, ViT: `image` x `image` pictures in 4 x 4 patches; `vocab` tokens. "qwen2" (not in
+    HF_MODELS: built for the loss-head tests) is a Qwen2 causal LM with tied embeddings."""
     import transformers as tf
 
     torch.manual_seed(seed)
     w, ff, n = width, 2 * width, layers
     if name == "llama":
-        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=w, intermediate_size=ff, num_hidden_layers=n,
+        cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=w, intermediate_size=ff, num_hidden_layers=n,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
                              attention_dropout=dropout)
         model = tf.LlamaForCausalLM(cfg)
     elif name == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=w, n_layer=n, n_head=4, n_positions=seq, resid_pdrop=dropout,
+        cfg = tf.GPT2Config(vocab_size=vocab, n_embd=w, n_layer=n, n_head=4, n_positions=seq, resid_pdrop=dropout,
                             embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
         model = tf.GPT2LMHeadModel(cfg)
+    elif name == "qwen2":
+        cfg = tf.Qwen2Config(vocab_size=vocab, hidden_size=w, intermediate_size=ff, num_hidden_layers=n,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+                             attention_dropout=dropout, tie_word_embeddings=True)
+        model = tf.Qwen2ForCausalLM(cfg)
     elif name == "bert":
         cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=w, intermediate_size=ff, num_hidden_layers=n,
                             num_attention_heads=4, max_position_embeddings=seq, num_labels=3,
@@ -57,7 +63,8 @@ def hf_model(name: str, dropout: float = 0.1, seed: int = 0, *, width: int = 64,
     return model.train()
 
 
-def hf_batch(name: str, seed: int = 1, *, batch: int = BATCH, seq: int = SEQ, image: int = 32) -> dict:
+def hf_batch(name: str, seed: int = 1, *, batch: int = BATCH, seq: int = SEQ, image: int = 32,
+             vocab: int = VOCAB) -> dict:
     """The keyword arguments of one training call of `batch` (>= 4) rows of `seq` tokens (ViT:
     `image` x `image` pictures): rows 1 and 3 padded at the end (row 3 by half the sequence),
     `attention_mask` 0 there, labels -100 there."""
@@ -65,17 +72,17 @@ def hf_batch(name: str, seed: int = 1, *, batch: int = BATCH, seq: int = SEQ, im
     if name == "vit":
         return dict(pixel_values=torch.randn(batch, 3, image, image, generator=g),
                     labels=torch.randint(0, 3, (batch,), generator=g))
-    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    ids = torch.randint(1, vocab, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[1, -5:] = 0
     mask[3, seq // 2:] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    if name in ("llama", "gpt2"):
+    if name in ("llama", "gpt2", "qwen2"):
         return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False)
     if name == "bert":
         return dict(input_ids=ids, attention_mask=mask, labels=torch.randint(0, 3, (batch,), generator=g))
     if name == "t5":
-        labels = torch.randint(1, VOCAB, (batch, seq // 2), generator=g)
+        labels = torch.randint(1, vocab, (batch, seq // 2), generator=g)
         labels[0, -3:] = -100
         return dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
     raise ValueError(f"unknown model {name!r}; one of {HF_MODELS}")

@@ -51,6 +51,9 @@ def test_settle_keeps_each_setting_in_one_place():
         settle(Solver("checkmate"), 5.0, {"mip_gap": 1e-3}, None, fused_attention=True, cost_model="flops")
     with pytest.raises(remat.RematArgumentError, match="cost_model given as keywords too"):
         settle("checkmate", None, {}, CaptureOptions(), fused_attention=True, cost_model="measured")
+    with pytest.raises(remat.RematArgumentError, match="chunked_loss given as keywords too"):
+        settle("checkmate", None, {}, CaptureOptions(), chunked_loss=False)
+    assert settle("checkmate", None, {}, None, chunked_loss="on")[1] == CaptureOptions(chunked_loss="on")
 
 
 @pytest.mark.parametrize("make, error, text", [
@@ -59,6 +62,7 @@ def test_settle_keeps_each_setting_in_one_place():
     (lambda: Solver("checkmate", time_limit_s=-1), remat.RematArgumentError, "time_limit_s must be a positive number"),
     (lambda: CaptureOptions(fused_attention="some"), remat.RematArgumentError, "fused_attention must be"),
     (lambda: CaptureOptions(cost_model="wallclock"), remat.RematArgumentError, "unknown cost_model 'wallclock'"),
+    (lambda: CaptureOptions(chunked_loss="sometimes"), remat.RematArgumentError, "chunked_loss must be"),
     (lambda: settle(3, None, {}, None), remat.RematArgumentTypeError, "solver must be a string"),
     (lambda: settle("checkmate", None, {}, {"fused_attention": False}), remat.RematArgumentTypeError,
      "capture must be a remat.CaptureOptions"),
@@ -76,3 +80,14 @@ def test_remat_plan_takes_the_groups(model_and_budget):
     assert grouped.schedule == flat.schedule
     with pytest.raises(remat.RematArgumentError, match="cost_model='flops' only"):
         remat.plan(model, inputs, budget_bytes=budget, capture=remat.CaptureOptions(cost_model="measured"))
+
+
+def test_the_loss_head_setting_reaches_the_plan_from_the_group(model_and_budget):
+    model, inputs, budget = model_and_budget
+    for chunked, head in ((True, "chunked"), (False, "unchunked")):
+        grouped = remat.optimize(model, budget_bytes=budget, example_inputs=inputs, quiet=True,
+                                 solver="equal_spacing", capture=remat.CaptureOptions(chunked_loss=chunked))
+        flat = remat.optimize(model, budget_bytes=budget, example_inputs=inputs, quiet=True, solver="equal_spacing",
+                              chunked_loss=chunked)
+        assert grouped.plan.context["loss_head"] == flat.plan.context["loss_head"] == head
+        assert grouped.plan.schedule == flat.plan.schedule

@@ -2,7 +2,7 @@
 
 * The pipeline's stages import only downwards: no import cycle between top-level folders.
 
-      core  <-  compat  <-  attention  <-  graph_capture  <-  solver  <-  runtime  <-  remat (API, CLI)
+      core  <-  compat  <-  attention  <-  loss_head  <-  graph_capture  <-  solver  <-  runtime  <-  remat (API, CLI)
 
   Each folder may import its own modules and the folders to its left, never one to its right. Every
   `import remat.X` / `from remat.X import` in the package's files counts, function-local ones too.
@@ -23,7 +23,7 @@ import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["core", "compat", "attention", "graph_capture", "solver", "runtime", "remat"]
+LAYERS = ["core", "compat", "attention", "loss_head", "graph_capture", "solver", "runtime", "remat"]
 
 
 def _imports(path: Path) -> set[str]:

@@ -1,0 +1,405 @@
+"""The chunked loss head (remat/loss_head/): the op against eager's linear + cross-entropy, the
+router (what it routes, what it leaves alone and why), and the planner's choice of head.
+
+Tolerances, and why: the op computes each row's logits and log-softmax with eager's kernels, and
+dW/db of each vocabulary block in one reduction over the rows, as eager's linear backward does. What
+changes order is (a) the loss's sums over the rows (per chunk, then over chunks) and (b) dh's sum over
+the vocabulary (per block in float32, then over blocks), which eager does inside one matmul. In
+float32 these are rounding-order differences of a few ulps of the terms summed, so their bound scales
+with the gradient's magnitude, not each element's (an element that nearly cancels keeps the absolute
+error of its terms): rtol 1e-5 and atol 1e-6 (the repository's float32 tolerance) times the tensor's
+largest magnitude where that exceeds 1 (reduction "sum" makes gradients grow with the rows). With 16-bit logits (bf16 under autocast) the float32 sums are rounded once to
+bf16 at the end, as eager rounds its matmul's float32 accumulator: where the two float32 sums differ
+in their last bits, the rounded values can differ by one bf16 step: rtol = finfo(bfloat16).eps = 2**-7
+(one step, relative to the smaller end of a binade), atol as in float32; the loss itself stays
+float32 (rtol 1e-5).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import remat
+from remat.core.plan import PlanMismatchError
+from remat.loss_head.op import chunk_rows_for, chunked_linear_cross_entropy
+from remat.loss_head.router import route_loss_head
+from remat.pipeline import has_chunked_head
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*not a single loss:UserWarning")
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+BF16 = dict(rtol=torch.finfo(torch.bfloat16).eps, atol=1e-6)
+
+
+def _close(got, ref, tol):
+    """Each pair within `tol`, its atol scaled by the reference's largest magnitude (module doc)."""
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+        torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * scale)
+
+
+# ---- the op ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("autocast", [False, True])
+def test_op_matches_eager_on_random_shapes(seed, autocast):
+    g = torch.Generator().manual_seed(seed)
+    n, d, v = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 70), (1, 40), (2, 300)))
+    bias, eps = bool(seed % 2), (0.0, 0.1, 0.3)[seed % 3]
+    reduction = ("mean", "sum")[(seed // 2) % 2]
+    h = torch.randn(n, d, generator=g).requires_grad_()
+    w = torch.randn(v, d, generator=g).requires_grad_()
+    b = torch.randn(v, generator=g).requires_grad_() if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.3] = -100
+    t[0] = min(v - 1, 3)  # at least one row counted
+    inputs = [h, w] + ([b] if bias else [])
+    dt = torch.bfloat16 if autocast else torch.float32
+
+    def eager():
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            return F.cross_entropy(F.linear(h, w, b).float(), t, ignore_index=-100, label_smoothing=eps,
+                                   reduction=reduction)
+
+    def chunked():
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            rows = int(torch.randint(1, n + 1, (), generator=g))  # any chunking computes the same
+            return chunked_linear_cross_entropy(h, w, b, t, -100, eps, reduction, compute_dtype=dt, chunk_rows=rows)
+
+    ref = eager()
+    got = chunked()
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref, **FP32)
+    _close(torch.autograd.grad(got, inputs), torch.autograd.grad(ref, inputs), BF16 if autocast else FP32)
+
+
+def test_op_traces_on_fake_and_meta_tensors():
+    h = torch.empty(10, 8, device="meta", requires_grad=True)
+    w = torch.empty(50, 8, device="meta", requires_grad=True)
+    t = torch.zeros(10, dtype=torch.long, device="meta")
+    loss = chunked_linear_cross_entropy(h, w, None, t)
+    assert loss.shape == () and loss.device.type == "meta"
+    dh, dw = torch.autograd.grad(loss, [h, w])
+    assert dh.shape == h.shape and dw.shape == w.shape
+    assert chunk_rows_for(4096, 2048, 128256) * 128256 <= 4096 * 2048  # a chunk's logits <= the hidden states
+
+
+def test_op_under_torch_compile():
+    torch.manual_seed(0)
+    h, w = torch.randn(12, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
+    t = torch.randint(0, 40, (12,))
+    f = torch.compile(lambda h, w: chunked_linear_cross_entropy(h, w, None, t), backend="aot_eager", fullgraph=True)
+    got = f(h, w)
+    ref = F.cross_entropy(F.linear(h, w), t)
+    torch.testing.assert_close(got, ref, **FP32)
+    _close(torch.autograd.grad(got, [h, w]), torch.autograd.grad(ref, [h, w]), FP32)
+
+
+# ---- the router ------------------------------------------------------------------------------
+def _routed(fn):
+    """fn() run eagerly and under the router: (value, routed count, reasons) with the router."""
+    with route_loss_head(True) as r:
+        out = fn()
+    return out, r.routed, r.passed
+
+
+def _head():
+    torch.manual_seed(0)
+    return nn.Linear(8, 30), torch.randn(2, 5, 8), torch.randint(0, 30, (2, 5))
+
+
+def test_router_takes_the_hugging_face_spelling():
+    lin, x, labels = _head()
+
+    def hf():
+        logits = lin(x[:, slice(0, None), :]).float()
+        shift = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        return F.cross_entropy(logits.view(-1, 30), shift.view(-1), ignore_index=-100)
+
+    out, routed, _ = _routed(hf)
+    assert routed == 1
+    torch.testing.assert_close(out, hf(), **FP32)
+
+
+def test_router_takes_shifted_logits_and_log_softmax_nll():
+    lin, x, labels = _head()
+
+    def shifted():
+        logits = lin(x)[:, :-1, :].contiguous()
+        return F.nll_loss(F.log_softmax(logits.reshape(-1, 30), dim=-1), labels[:, 1:].reshape(-1), reduction="sum")
+
+    out, routed, _ = _routed(shifted)
+    assert routed == 1
+    torch.testing.assert_close(out, shifted(), **FP32)
+
+
+@pytest.mark.parametrize("case", ["inplace_logits", "inplace_hidden", "class_weights", "reduction_none",
+                                  "3d_input", "bf16_without_autocast", "softcap", "lossy_cast"])
+def test_router_leaves_alone_what_it_cannot_prove(case):
+    lin, x, labels = _head()
+    t = labels.view(-1)
+
+    def fn():
+        h = x * 1.0
+        logits = lin(h)
+        if case == "inplace_logits":
+            logits.div_(2.0)
+        if case == "inplace_hidden":
+            h.mul_(2.0)
+        if case == "class_weights":
+            return F.cross_entropy(logits.view(-1, 30), t, weight=torch.ones(30))
+        if case == "reduction_none":
+            return F.cross_entropy(logits.view(-1, 30), t, reduction="none").sum()
+        if case == "3d_input":
+            return F.cross_entropy(logits, labels[:, :1].expand(2, 30) % 5)  # classes on dim 1: not the head's
+        if case == "bf16_without_autocast":
+            return F.cross_entropy(logits.view(-1, 30).bfloat16(), t).float()
+        if case == "lossy_cast":  # through 16 bits and back: not the linear's values
+            return F.cross_entropy(logits.view(-1, 30).half().float(), t)
+        if case == "softcap":
+            return F.cross_entropy(30 * torch.tanh(logits.view(-1, 30) / 30), t)
+        return F.cross_entropy(logits.view(-1, 30), t)
+
+    out, routed, passed = _routed(fn)
+    assert routed == 0
+    assert out.equal(fn())  # the model's own code ran
+    if case not in ("softcap", "bf16_without_autocast", "lossy_cast"):  # no longer the head's logits
+        assert passed, "the reason is recorded"
+
+
+def test_logits_read_elsewhere_keep_their_eager_values():
+    lin, x, labels = _head()
+    params = list(lin.parameters())
+
+    def fn():
+        logits = lin(x)
+        loss = F.cross_entropy(logits.view(-1, 30), labels.view(-1))
+        return loss + logits.square().mean()  # the logits read after the loss: the linear stays
+
+    out, routed, _ = _routed(fn)
+    ref = fn()
+    assert routed == 1
+    torch.testing.assert_close(out, ref, **FP32)
+    with route_loss_head(True):
+        got = torch.autograd.grad(fn(), params)
+    _close(got, torch.autograd.grad(fn(), params), FP32)
+
+
+# ---- models, traced and planned ------------------------------------------------------------------
+class LM(nn.Module):
+    """A tiny language model with the head spelled as `spelling` says."""
+
+    def __init__(self, v=300, d=16, tied=False, bias=False, spelling="linear", eps=0.0, reduction="mean"):
+        super().__init__()
+        self.emb = nn.Embedding(v, d)
+        self.mix = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(d, v, bias=bias)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.v, self.spelling, self.eps, self.reduction = v, spelling, eps, reduction
+
+    def hidden(self, ids):
+        return torch.tanh(self.drop(self.mix(self.emb(ids))))
+
+    def forward(self, ids, labels, extra=None):
+        h = self.hidden(ids)
+        if extra is not None:
+            h = h + extra
+        if self.spelling == "matmul":
+            logits = h @ self.head.weight.T
+        else:
+            logits = self.head(h)
+        if self.spelling == "hf":
+            logits = logits.float()
+            labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        return F.cross_entropy(logits.view(-1, self.v), labels.reshape(-1), ignore_index=-100,
+                               label_smoothing=self.eps, reduction=self.reduction)
+
+
+def _batch(v, b=3, t=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, v, (b, t), generator=g)
+    labels = ids.clone()
+    labels[1, -2:] = -100
+    return ids, labels
+
+
+def _loss_grads(module, params, args, seed=0, autocast=False):
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = module(*args)
+    loss.backward()
+    out = [loss.detach()] + [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return out
+
+
+@pytest.mark.parametrize("tied,bias,spelling,eps,reduction,autocast", [
+    (False, False, "linear", 0.0, "mean", False),
+    (True, False, "hf", 0.1, "mean", False),
+    (False, True, "hf", 0.0, "sum", False),
+    (True, False, "matmul", 0.2, "sum", False),
+    (False, True, "linear", 0.1, "mean", True),
+    (True, False, "hf", 0.0, "mean", True),
+])
+def test_optimized_models_match_eager(tied, bias, spelling, eps, reduction, autocast):
+    model = LM(tied=tied, bias=bias, spelling=spelling, eps=eps, reduction=reduction)
+    params = list(model.parameters())
+    args = _batch(model.v)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        opt = remat.optimize(model, example_inputs=args, solver="keep_all", chunked_loss="on", quiet=True)
+    assert opt.plan.details["loss_head"] == "chunked" and has_chunked_head(opt.plan.graph)
+    got, ref = _loss_grads(opt, params, args, autocast=autocast), _loss_grads(model, params, args, autocast=autocast)
+    torch.testing.assert_close(got[0], ref[0], **FP32)
+    _close(got[1:], ref[1:], BF16 if autocast else FP32)
+
+
+def test_every_call_pattern_of_a_training_loop():
+    model = LM(spelling="hf", tied=True)
+    params = list(model.parameters())
+    args = _batch(model.v)
+    opt = remat.optimize(model, example_inputs=args, solver="keep_all", chunked_loss="on", quiet=True)
+    # another batch shape
+    other = _batch(model.v, b=2, t=11, seed=5)
+    _close(_loss_grads(opt, params, other), _loss_grads(model, params, other), FP32)
+    # an input that requires grad
+    extra = torch.randn(3, 7, 16, requires_grad=True)
+    got = _loss_grads(opt, params + [extra], (*args, extra))
+    ref = _loss_grads(model, params + [extra], (*args, extra))
+    _close(got, ref, FP32)
+    # eval mode
+    model.eval()
+    _close(_loss_grads(opt, params, args), _loss_grads(model, params, args), FP32)
+    model.train()
+    assert len(opt.plans) == 4 and all(p.details["loss_head"] == "chunked" for p in opt.plans)
+
+
+def test_auto_chunks_only_where_it_pays():
+    model = LM(v=2000, d=16, spelling="hf")
+    args = _batch(model.v, b=4, t=16)
+    params = list(model.parameters())
+    graph = remat.capture(model, args)
+    keep = remat.solve(graph, None, solver="keep_all").predicted_peak_bytes
+    roomy = remat.optimize(model, budget_bytes=keep, example_inputs=args, quiet=True)
+    assert roomy.plan.details["loss_head"] == "unchunked"  # keep_all fits: nothing to gain
+    tight = remat.optimize(model, budget_bytes=int(0.4 * keep), example_inputs=args, quiet=True)
+    assert tight.plan.details["loss_head"] == "chunked"
+    assert tight.plan.predicted_peak_bytes <= 0.4 * keep
+    _close(_loss_grads(tight, params, args), _loss_grads(model, params, args), FP32)
+    measured = remat.measure_peak(lambda: tight(*args).backward(), resident=[model, *args])
+    assert measured == tight.plan.predicted_peak_bytes  # the simulator is exact on the CPU, the op included
+
+
+def test_saved_plan_deploys_its_head(tmp_path):
+    model = LM(spelling="hf")
+    args = _batch(model.v)
+    opt = remat.optimize(model, example_inputs=args, solver="keep_all", chunked_loss="on", quiet=True)
+    path = tmp_path / "plan.json"
+    opt.plan.save(path)
+    assert remat.load_plan(path).context["loss_head"] == "chunked"
+    with pytest.raises(PlanMismatchError, match="loss head"):
+        remat.optimize(model, example_inputs=args, plan=path, chunked_loss="off")
+    again = remat.optimize(model, example_inputs=args, plan=path, quiet=True)  # "auto": the plan's head
+    assert again.plan.details["loss_head"] == "chunked"
+    params = list(model.parameters())
+    _close(_loss_grads(again, params, args), _loss_grads(model, params, args), FP32)
+
+
+def test_bad_chunked_loss_values_are_refused():
+    model = LM()
+    args = _batch(model.v)
+    with pytest.raises(remat.RematError, match="chunked_loss"):
+        remat.optimize(model, budget_gb=1.0, example_inputs=args, chunked_loss="yes")
+    with pytest.raises(remat.RematError, match="chunked_loss"):
+        remat.capture(model, args, chunked_loss="auto")
+
+
+# ---- Hugging Face causal LMs with labels= ------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2"])
+def test_hugging_face_takes_the_chunked_head_where_it_pays(name):
+    pytest.importorskip("transformers")
+    from tests.hf_models import hf_batch, hf_model
+
+    vocab = 2048
+    model = hf_model(name, dropout=0.1, width=32, layers=1, vocab=vocab)
+    batch = hf_batch(name, vocab=vocab)  # rows padded, labels -100 there
+    params = [p for p in model.parameters() if p.requires_grad]
+    graph = remat.capture(model, (), batch)
+    keep = remat.solve(graph, None, solver="keep_all").predicted_peak_bytes
+    budget = int(0.75 * keep)
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=(), example_kwargs=batch, quiet=True)
+    assert opt.plan.details["loss_head"] == "chunked"
+    assert opt.plan.predicted_peak_bytes <= budget
+
+    def run(module):
+        for p in params:
+            p.grad = None
+        torch.manual_seed(0)
+        out = module(**batch)
+        out.loss.backward()
+        return [out.loss.detach()] + [p.grad.clone() for p in params], out.logits.detach()
+
+    (got, logits), (ref, ref_logits) = run(opt), run(model)
+    _close(got, ref, FP32)
+    assert torch.equal(logits, ref_logits)  # the returned logits are the model's linear's, as in eager
+
+
+def test_a_plan_made_on_fake_tensors_deploys_its_head_on_the_real_model():
+    """remat.plan (meta model, "auto") chooses the chunked head where it pays; the real model of the
+    same shapes deploys that plan on the same graph (fingerprint) and trains as eager."""
+    model = LM(v=2000, d=16, spelling="hf")
+    args = _batch(model.v, b=4, t=16)
+    with torch.device("meta"):
+        meta = LM(v=2000, d=16, spelling="hf")
+    meta_args = tuple(a.to("meta") for a in args)
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    plan = remat.plan(meta, meta_args, budget_bytes=int(0.4 * keep), quiet=True)
+    assert plan.details["loss_head"] == "chunked" and plan.details["loss_head_flops"] > 0
+    opt = remat.optimize(model, example_inputs=args, plan=plan, quiet=True)
+    assert opt.plan.details["loss_head"] == "chunked"
+    params = list(model.parameters())
+    _close(_loss_grads(opt, params, args), _loss_grads(model, params, args), FP32)
+
+
+def test_the_op_refuses_what_it_does_not_take():
+    from remat.loss_head.op import ChunkedLossError
+
+    h, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ChunkedLossError, match="weight"):
+        chunked_linear_cross_entropy(h, torch.randn(5, 3), None, t)
+    with pytest.raises(ChunkedLossError, match="reduction"):
+        chunked_linear_cross_entropy(h, w, None, t, reduction="none")
+    with pytest.raises(ChunkedLossError, match="target"):
+        chunked_linear_cross_entropy(h, w, None, t.int())
+
+
+def test_auto_traces_once_where_the_head_is_too_small_to_matter(monkeypatch):
+    """A plan that recomputes but whose log-softmax is under HEAD_SHARE of the budget: no second trace."""
+    import remat.pipeline as pipeline
+
+    class Wide(nn.Module):  # big activations, a 3-class head
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+            self.head = nn.Linear(64, 3)
+
+        def forward(self, x, y):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return F.cross_entropy(self.head(x), y)
+
+    torch.manual_seed(0)
+    model, args = Wide(), (torch.randn(256, 64), torch.randint(0, 3, (256,)))
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    heads = []
+    real = pipeline.planned_step
+    monkeypatch.setattr(pipeline, "planned_step", lambda *a, chunked=False, **k: heads.append(chunked) or real(
+        *a, chunked=chunked, **k))
+    opt = remat.optimize(model, budget_bytes=int(0.8 * keep), example_inputs=args, quiet=True)
+    assert opt.plan.extra_cost > 0 and heads == [False] and opt.plan.details["loss_head"] == "unchunked"
