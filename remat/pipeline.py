@@ -38,7 +38,8 @@ the step is planned with the model's own head first; where that plan recomputes 
 log-softmax of at least HEAD_SHARE (1%) of the budget (nothing a chunked head could save is worth a
 second trace); otherwise (a plan that recomputes, or no plan that fits) the step is traced again
 with the chunked head and planned too, and the plan that fits with the lower total cost (the
-graph's cost plus its recomputations) is kept. The plan records its head (`details["loss_head"]`,
+graph's cost plus its recomputations) is kept. A later call traces the head the last call's plan
+took first; where that call's schedule serves (3. above), the other head is not traced. The plan records its head (`details["loss_head"]`,
 and its context), and a saved plan is deployed on the head it was made for (deployment.py refuses
 one whose head `chunked_loss` excludes).
 """
@@ -307,6 +308,7 @@ class StepPlanner:
         mode = chunked_loss_mode(o.chunked_loss)
 
         traced: dict[bool, TrainingGraph] = {}  # each head's graph, planned or not
+        tried: dict[bool, PlannedStep | None] = {}  # each head's step at this budget (None: none fits)
 
         def step(chunked: bool, search: bool = True) -> PlannedStep:
             choose = self.choose(model, args, kwargs, known=None, others=others, budget=budget,
@@ -318,23 +320,33 @@ class StepPlanner:
 
             return planned_step(model, args, kwargs, o, Decision(recording), call, chunked=chunked)
 
+        def fitting(chunked: bool) -> PlannedStep | None:
+            # a budget a head does not fit is not searched below here: the other head may fit
+            if chunked not in tried:
+                try:
+                    tried[chunked] = step(chunked, search=False)
+                except InfeasibleBudgetError:
+                    tried[chunked] = None
+            return tried[chunked]
+
         if mode != "auto" or o.solver != "checkmate":
             # the baselines reproduce their published methods on the model's own step
             return step(mode == "on")
         limit = o.budget_bytes if budget is None else budget
-        # a budget the model's head does not fit is not searched below here: the chunked head may fit
-        try:
-            plain = step(False, search=False)
-        except InfeasibleBudgetError:
-            plain = None
+        if others:
+            # the head the last call's plan took, traced first: where that call's schedule serves
+            # here, both heads were weighed on the same nodes already, so the other head is neither
+            # traced nor solved again (a Python number that changes every call costs one trace)
+            last = plan_head(others[-1][1]) == "chunked"
+            first = fitting(last)
+            if first is not None and first.record.how.startswith("reused"):
+                return first
+        plain = fitting(False)
         if plain is not None and (limit is None or plain.plan.extra_cost == 0):
             return plain  # nothing recomputed: the chunked head could only add its matmul
         if plain is not None and not _head_worth_tracing(traced[False], limit):
             return plain
-        try:
-            chunked = step(True, search=False)
-        except InfeasibleBudgetError:
-            chunked = None
+        chunked = fitting(True)
         if chunked is not None and not has_chunked_head(chunked.graph):
             chunked = None  # no head the router could take: the same step as the model's
         if plain is None and chunked is None:

@@ -193,9 +193,11 @@ def test_a_non_tensor_argument_that_changes_is_planned_per_value_and_then_cached
     assert len(opt.plans) == 4  # (0.5), (2.0, False), (0.5, True), (0.5, False): each traced once
 
 
-def test_a_python_number_that_changes_every_step_costs_a_trace_not_a_solve():
+def test_a_python_number_that_changes_every_step_costs_a_trace_not_a_solve(monkeypatch):
     """A step counter or a loss scale passed as a Python float: every value is another graph (the
-    number is built in), the same nodes at the same sizes, so the solved schedule serves again."""
+    number is built in), the same nodes at the same sizes, so the solved schedule serves again,
+    with no solve of either loss head (chunked_loss="auto" weighed both on the first call)."""
+    from remat import pipeline
     class Scaled(nn.Module):
         def __init__(self, gpt):
             super().__init__()
@@ -209,10 +211,15 @@ def test_a_python_number_that_changes_every_step_costs_a_trace_not_a_solve():
     budget = int(0.6 * _keep_all_peak(model, (*inputs, 1.0)))
     opt = remat.optimize(model, budget_bytes=budget, example_inputs=(*inputs, 1.0), quiet=True)
     assert opt.plan.recomputed
+    solvers = []  # the strategies run after the first call's plan
+    real_get, real_solve = pipeline.get_solver, pipeline.solve
+    monkeypatch.setattr(pipeline, "get_solver", lambda name: solvers.append(name) or real_get(name))
+    monkeypatch.setattr(pipeline, "solve", lambda *a, **k: solvers.append(k.get("solver")) or real_solve(*a, **k))
     for scale in (0.5, 0.25, 2.0):
         _zero(model, ref)
         _assert_same(model, ref, _step(opt, (*inputs, scale)), _step(ref, (*inputs, scale)))
     assert [r.how.split(" of ")[0] for r in opt.plan_log] == ["solved"] + ["reused the schedule"] * 3
+    assert "checkmate" not in solvers, solvers
 
 
 def test_retain_graph_after_an_ordinary_step_works_as_in_eager():
