@@ -175,6 +175,34 @@ def test_no_module_uses_another_modules_private_names():
     assert not found, f"private names used across modules: {found}"
 
 
+def test_no_module_reaches_into_another_modules_objects():
+    """A private method or attribute (`_name`) of a class is used only in the module that defines
+    it: `rel._bases()` from another module is flagged as `from m import _bases` would be."""
+    known = _module_files()
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in known.items()}
+    own, members = {}, {}  # module -> the private names it defines; private member -> its modules
+    for name, tree in trees.items():
+        own[name] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own[name].add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own[name].add(node.attr)
+                if isinstance(node.value, ast.Name) and node.value.id == "self":
+                    members.setdefault(node.attr, set()).add(name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own[name].add(node.id)
+            if isinstance(node, ast.ClassDef):
+                for f in node.body:
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        members.setdefault(f.name, set()).add(name)
+    found = sorted(f"{name}:{node.lineno} .{node.attr} (defined in {', '.join(sorted(members[node.attr]))})"
+                   for name, tree in trees.items() for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                   and node.attr in members and node.attr not in own[name])
+    assert not found, f"private members used outside their module: {found}"
+
+
 def test_every_error_and_warning_has_remats_base():
     from remat.core.errors import RematError, RematWarning
 

@@ -381,16 +381,16 @@ class Relaxation:
             return None
         return chain[i0], chain[i0 + 1:i1 + 1]
 
-    def _next_read(self, u: int, k: int, t: int) -> int:
+    def next_read(self, u: int, k: int, t: int) -> int:
         """The first row after t that reads part k of u."""
         rs = self.readers[u][k]
         return rs[bisect.bisect_right(rs, t)]
 
-    def _start(self, s: int) -> int:
+    def row_of_state(self, s: int) -> int:
         """The row a state stands for, as an interval start (a sitting state: its first row)."""
         return s if s < self.n else self.sitting_spans[s - self.n][1]
 
-    def _bases(self) -> list[int]:
+    def base_bytes(self) -> list[int]:
         """Per row: resident (tangents from the backward on, until their last reader), and kept
         outputs computed before the row (forward-kept ones gone once the simulator frees them at
         the latest)."""

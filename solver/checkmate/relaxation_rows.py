@@ -22,7 +22,7 @@ def build_rows(rel) -> None:
     m, n, nodes = rel.model, rel.n, rel.graph.nodes
     rec, P, lastrd, grp = rel.recomputable, rel.part_bytes, rel.last_read, rel.group_of
     ms = rel.mem_scale
-    bases = rel._bases()
+    bases = rel.base_bytes()
     carry: dict = {}  # (group, state) -> {u: deadline the state's C must reach}
     closing = [[] for _ in range(n + 1)]  # parts whose modelled life ends at a row
     nonrec_closing = [[] for _ in range(n + 1)]
@@ -114,7 +114,7 @@ def _state(rel, s: int, need_rec: list, cset: set, seeds: dict, within: set, t: 
     m, rec, grp, lastrd = rel.model, rel.recomputable, rel.group_of, rel.last_read
     D = dict(seeds)
     for (u, k) in need_rec:
-        D[u] = max(D.get(u, 0), rel._next_read(u, k, t))
+        D[u] = max(D.get(u, 0), rel.next_read(u, k, t))
     for v in sorted(cset, reverse=True):  # readers before their inputs
         for w, _ in rel.reads[v]:
             if w in cset:
@@ -165,7 +165,7 @@ def _row_state(rel, t: int, det: set, open_by_group: dict, carry: dict) -> dict:
     opened = [(u, k) for gi in det for (u, k) in open_by_group.get(gi, ()) if rec[u]]
     need_rec = [(u, k) for u, k in opened if lastrd[u][k] > t]
     if rel.fwd_reads_only and t <= rel.forward_end:  # forward rows: only what the forward reads
-        need_rec = [(u, k) for u, k in need_rec if rel._next_read(u, k, t) <= rel.forward_end]
+        need_rec = [(u, k) for u, k in need_rec if rel.next_read(u, k, t) <= rel.forward_end]
     seeds: dict = {}
     for gi in det:
         seeds.update(carry.pop((gi, t), {}))
@@ -201,7 +201,7 @@ def _link(rel, gi: int, a: int, b: int, carry: dict) -> list:
     """keep and count rows between consecutive states a, b of group gi; returns [(u, R)]."""
     m, rec, P = rel.model, rel.recomputable, rel.part_bytes
     top = a if a < rel.n else rel.n
-    start_b = rel._start(b)
+    start_b = rel.row_of_state(b)
     out = []
     for u in rel.members[gi]:
         if u > top:
@@ -231,7 +231,7 @@ def _carry(rel, gi: int, s: int, carry: dict) -> None:
     nxt = rel.chain_next.get((gi, s))
     if nxt is None:
         return
-    start = rel._start(nxt)
+    start = rel.row_of_state(nxt)
     for u in rel.members[gi]:
         d = rel.deadline.get((u, s))
         if d is not None and d > start:
