@@ -25,6 +25,7 @@ from remat.machine_info import MiB, machine
 from remat.offline import (build, capture_graph, check_plan, keep_all_peak, largest_batch, load_factory,
                            takes_batch)
 from remat.deployment import check_context, describe_inputs, plan_context
+from remat.pipeline import has_chunked_head
 from remat.solver import STRATEGIES
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanFileError
 from remat.core.module_summary import module_summary, rollup
@@ -127,6 +128,13 @@ def _solver(p: argparse.ArgumentParser) -> None:
                    help="a solver option (e.g. backend=cbc, coarsen_to=60); repeatable")
 
 
+def _loss_head(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chunked-loss", choices=["on", "off"], default="off",
+                   help="trace a linear head followed by cross-entropy as remat's chunked loss op, which keeps "
+                        "no [tokens, vocab] tensor (default off: the model's own head; remat.optimize's "
+                        "default 'auto' plans both)")
+
+
 def add_commands(sub) -> None:
     """Add solve, inspect, check and max-batch to the CLI's subparsers."""
     s = sub.add_parser("solve", aliases=["plan"],
@@ -136,6 +144,7 @@ def add_commands(sub) -> None:
                f"budget is given)", required=False)
     s.add_argument("--solver", default="checkmate", choices=STRATEGIES)
     _solver(s)
+    _loss_head(s)
     s.add_argument("--out", type=output_file, default="plan.json", help="the plan file (default plan.json)")
     s.set_defaults(fn=solve_cmd, parser=s, check=_check_solve)
 
@@ -160,6 +169,7 @@ def add_commands(sub) -> None:
     m.add_argument("--compare", type=_batches, default=["keep_all"], metavar="S1,S2",
                    help="strategies searched before --solver (default keep_all)")
     _solver(m)
+    _loss_head(m)
     m.add_argument("--max-batch", type=positive_int, default=1 << 16, help="largest batch tried (default 65536)")
     m.add_argument("--multiple-of", type=positive_int, default=1, help="try only multiples of this (default 1)")
     m.add_argument("--out", type=output_file, default="plan.json",
@@ -227,6 +237,11 @@ def _check_max_batch(p: Parser, a: argparse.Namespace) -> None:
 
 # ---- the commands -------------------------------------------------------------------------------
 
+def _head(graph) -> str:
+    """The loss head a captured graph has, as plans record it (remat/pipeline.py)."""
+    return "chunked" if has_chunked_head(graph) else "unchunked"
+
+
 def _fused(a: argparse.Namespace, default: str = "exact") -> str:
     return a.fused_attention or default
 
@@ -279,8 +294,9 @@ def solve_cmd(a: argparse.Namespace) -> int:
     say(f"remat solve: {a.model.spec} on {_inputs_text(args, kwargs)}, for {device}")
     say(f"machine: {machine()}")
     t0 = time.perf_counter()
-    graph, how = capture_graph(model, args, kwargs, fused, device)
-    say(f"captured the training step with {how}: {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s")
+    graph, how = capture_graph(model, args, kwargs, fused, device, chunked_loss=a.chunked_loss == "on")
+    say(f"captured the training step with {how}: {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s"
+        + (f"; loss head: {_head(graph)}" if a.chunked_loss == "on" else ""))
     keep = keep_all_peak(graph)
     budget = _budget_bytes(a, lambda: keep)
     limit = "" if a.solver != "checkmate" else \
@@ -293,7 +309,7 @@ def solve_cmd(a: argparse.Namespace) -> int:
         return 1
     ctx = plan_context(model, args, kwargs or None, fused_attention=fused, solver=a.solver,
                        solver_options={"time_limit_s": a.time_limit, **options}, device=device)
-    ctx["captured_with"] = how
+    ctx["captured_with"], ctx["loss_head"] = how, _head(graph)
     plan = _details(dataclasses.replace(plan, context=ctx), graph)
     plan.save(a.out)
     gap = "" if plan.gap is None else f", gap {plan.gap:.1%}"
@@ -370,10 +386,10 @@ def max_batch_cmd(a: argparse.Namespace) -> int:
     def graph_at(b: int):
         if b not in graphs:
             _, args, kwargs = build(a.model, a.inputs, b, model=model)
-            graph, _how = capture_graph(model, args, kwargs, fused, device)
+            graph, _how = capture_graph(model, args, kwargs, fused, device, chunked_loss=a.chunked_loss == "on")
             ctx = plan_context(model, args, kwargs or None, fused_attention=fused, solver=a.solver,
                                solver_options={"time_limit_s": a.time_limit, **options}, device=device)
-            ctx["captured_with"] = _how
+            ctx["captured_with"], ctx["loss_head"] = _how, _head(graph)
             graphs[b] = (graph, ctx)
         return graphs[b]
 

@@ -141,18 +141,20 @@ def build(model_fn: Callable, inputs_fn: Callable, batch: int | None = None, dev
 # ---- capture and solve --------------------------------------------------------------------------
 
 def capture_graph(model: nn.Module, args: tuple, kwargs: dict, fused_attention: bool | str = True,
-                  device: str = "cpu") -> tuple[TrainingGraph, str]:
+                  device: str = "cpu", chunked_loss: bool = False) -> tuple[TrainingGraph, str]:
     """The training step's graph for `device` ("cpu" or "cuda": its memory model), and how it was
     captured: on fake tensors (graph_capture/fake_capture.py: no memory for the step, and a plan for
     a GPU can be made without one), or, when the model cannot run on fake tensors, on real ones
-    (moved to `device`, which must then be here)."""
+    (moved to `device`, which must then be here). `chunked_loss`: the loss head traced as remat's
+    chunked op where the router can (remat.loss_head)."""
     try:
         from remat.graph_capture.fake_capture import capture_without_memory
     except ImportError:  # a remat without it
         capture_without_memory, why = None, "not available"
     if capture_without_memory is not None:
         try:
-            graph = capture_without_memory(model, args, kwargs or None, device=device, fused_attention=fused_attention)
+            graph = capture_without_memory(model, args, kwargs or None, device=device, fused_attention=fused_attention,
+                                           chunked_loss=chunked_loss)
             return graph, "fake tensors"
         except Exception as e:  # data-dependent shapes, ops without a fake kernel, ...: real tensors
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -161,7 +163,8 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, fused_attention: 
                                  f"GPU to trace it for cuda on real ones: solve on a machine with a GPU")
     model.to(device)
     args, kwargs = _to(args, device), _to(kwargs, device)
-    return capture(model, args, kwargs or None, fused_attention=fused_attention), f"real tensors (fake: {why})"
+    return (capture(model, args, kwargs or None, fused_attention=fused_attention, chunked_loss=chunked_loss),
+            f"real tensors (fake: {why})")
 
 
 def keep_all_peak(graph: TrainingGraph) -> int:

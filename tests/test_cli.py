@@ -133,6 +133,23 @@ def test_tiny_plan_writes_a_loadable_plan(tmp_path, tiny, capfd):
     assert sorted(f.name for f in tmp_path.iterdir() if f.suffix != ".py") == ["p.json"]  # no temporary file left
 
 
+def test_solve_with_the_chunked_loss_head_saves_it_and_check_deploys_it(tmp_path, tiny, capfd):
+    """--chunked-loss on: the plan is made on the chunked head, records it, and `remat check`
+    deploys that head (measured = predicted, under the budget, gradients close to eager's)."""
+    out = tmp_path / "p.json"
+    assert cli.main(["solve", *tiny, "--solver", "equal_spacing", "--budget-frac", "1", "--chunked-loss", "on",
+                     "--out", str(out)]) == 0
+    assert "loss head: chunked" in capfd.readouterr().out
+    plan = Plan.load(out)
+    assert plan.context["loss_head"] == "chunked" and plan.fits
+    assert any(n.op.startswith("chunked_linear_cross_entropy") for n in plan.graph.nodes)
+    assert cli.main(["check", *tiny, "--plan", str(out), "--steps", "1"]) == 0
+    stdout = capfd.readouterr().out
+    assert ": OK" in stdout and ("match the unmodified model's" in stdout or "equal the unmodified" in stdout), stdout
+    assert cli.main(["solve", *tiny, "--solver", "equal_spacing", "--budget-frac", "0.9", "--out", str(out)]) == 0
+    assert Plan.load(out).context["loss_head"] == "unchunked"
+
+
 def test_plan_is_solve_with_the_built_in_gpt_by_default(nothing_runs):
     a = cli._parser().parse_args(["plan"])
     b = cli._parser().parse_args(["solve"])
