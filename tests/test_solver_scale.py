@@ -162,18 +162,25 @@ def test_proves_the_brute_force_optimum(n, seed, which):
 
 
 def test_the_relaxation_milp_closes_the_gap_class_branching_leaves(monkeypatch):
-    """Where the branch and bound on class sums stops short of its gap (here: after its root LP,
-    as it stalls on CNNs), HiGHS's MILP of the relaxation runs from the incumbent plan: it closes
-    the gap the root LP left, and its bound never exceeds the brute-force optimum."""
-    from remat.solver.checkmate import certified_search
+    """Where the branch and bound on class sums stalls short of its gap (here: after one LP that
+    does not raise the bound, as it stalls on CNNs), HiGHS's MILP of the relaxation runs from the
+    incumbent plan: it closes the gap the LPs left, and its bound never exceeds the brute-force
+    optimum. Stopped by its work limit instead, the branch and bound is not followed by the MILP."""
+    from remat.solver.checkmate import branch_and_bound, certified_search
 
-    monkeypatch.setattr(certified_search, "MAX_LPS", 1)
+    g = training_chain(10, 7)
+    budget = brute_force(g, None, objective="peak")[0] + 2
+    with monkeypatch.context() as m:
+        m.setattr(certified_search, "MAX_LPS", 1)
+        plan = checkmate.solve(g, budget)
+        assert plan.details["certify"]["stopped_by"] == "work limit" and "relaxation_milp" not in plan.details
+    monkeypatch.setattr(branch_and_bound, "STALL", 1)
     for n, seed, above, closes in ((10, 7, 2, True), (12, 3, 0, False)):
         g = training_chain(n, seed)
         budget = brute_force(g, None, objective="peak")[0] + above
         extra = brute_force(g, budget)[0] - g.total_cost
         plan = checkmate.solve(g, budget)
-        assert plan.details["certify"]["stopped_by"] == "work limit" and plan.details["relaxation_milp"]["status"] == "optimal"
+        assert plan.details["certify"]["stopped_by"] == "stalled" and plan.details["relaxation_milp"]["status"] == "optimal"
         assert plan.details["relaxation_milp"]["bound"] >= plan.details["certify"]["bound"]
         assert plan.lower_bound <= extra + 1e-9 and plan.extra_cost == pytest.approx(extra)
         assert (plan.status == "optimal") == closes, g.name
