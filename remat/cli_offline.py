@@ -23,9 +23,8 @@ import torch
 from remat.cli_args import Parser, fraction, output_file, positive, positive_int, say, step
 from remat.machine_info import MiB, machine
 from remat.offline import (build, capture_graph, check_plan, keep_all_peak, largest_batch, load_factory,
-                           takes_batch)
+                           loss_head_of, takes_batch)
 from remat.deployment import check_context, describe_inputs, plan_context
-from remat.pipeline import has_chunked_head
 from remat.solver import STRATEGIES
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanFileError
 from remat.core.module_summary import module_summary, rollup
@@ -122,17 +121,14 @@ def _budget(p: argparse.ArgumentParser, frac_help: str, required: bool = True) -
 
 
 def _solver(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-limit", type=positive, default=None,
-                   help="optional wall-clock limit on checkmate's MILP, seconds (default: deterministic work limits)")
-    p.add_argument("--option", type=_option, action="append", default=[], metavar="NAME=VALUE",
-                   help="a solver option (e.g. backend=cbc, coarsen_to=60); repeatable")
-
-
-def _loss_head(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-loss", choices=["on", "off"], default="off",
                    help="trace a linear head followed by cross-entropy as remat's chunked loss op, which keeps "
                         "no [tokens, vocab] tensor (default off: the model's own head; remat.optimize's "
                         "default 'auto' plans both)")
+    p.add_argument("--time-limit", type=positive, default=None,
+                   help="optional wall-clock limit on checkmate's MILP, seconds (default: deterministic work limits)")
+    p.add_argument("--option", type=_option, action="append", default=[], metavar="NAME=VALUE",
+                   help="a solver option (e.g. backend=cbc, coarsen_to=60); repeatable")
 
 
 def add_commands(sub) -> None:
@@ -144,7 +140,6 @@ def add_commands(sub) -> None:
                f"budget is given)", required=False)
     s.add_argument("--solver", default="checkmate", choices=STRATEGIES)
     _solver(s)
-    _loss_head(s)
     s.add_argument("--out", type=output_file, default="plan.json", help="the plan file (default plan.json)")
     s.set_defaults(fn=solve_cmd, parser=s, check=_check_solve)
 
@@ -169,7 +164,6 @@ def add_commands(sub) -> None:
     m.add_argument("--compare", type=_batches, default=["keep_all"], metavar="S1,S2",
                    help="strategies searched before --solver (default keep_all)")
     _solver(m)
-    _loss_head(m)
     m.add_argument("--max-batch", type=positive_int, default=1 << 16, help="largest batch tried (default 65536)")
     m.add_argument("--multiple-of", type=positive_int, default=1, help="try only multiples of this (default 1)")
     m.add_argument("--out", type=output_file, default="plan.json",
@@ -237,11 +231,6 @@ def _check_max_batch(p: Parser, a: argparse.Namespace) -> None:
 
 # ---- the commands -------------------------------------------------------------------------------
 
-def _head(graph) -> str:
-    """The loss head a captured graph has, as plans record it (remat/pipeline.py)."""
-    return "chunked" if has_chunked_head(graph) else "unchunked"
-
-
 def _fused(a: argparse.Namespace, default: str = "exact") -> str:
     return a.fused_attention or default
 
@@ -296,7 +285,7 @@ def solve_cmd(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     graph, how = capture_graph(model, args, kwargs, fused, device, chunked_loss=a.chunked_loss == "on")
     say(f"captured the training step with {how}: {len(graph.nodes)} nodes in {time.perf_counter() - t0:.1f} s"
-        + (f"; loss head: {_head(graph)}" if a.chunked_loss == "on" else ""))
+        + (f"; loss head: {loss_head_of(graph)}" if a.chunked_loss == "on" else ""))
     keep = keep_all_peak(graph)
     budget = _budget_bytes(a, lambda: keep)
     limit = "" if a.solver != "checkmate" else \
@@ -309,7 +298,7 @@ def solve_cmd(a: argparse.Namespace) -> int:
         return 1
     ctx = plan_context(model, args, kwargs or None, fused_attention=fused, solver=a.solver,
                        solver_options={"time_limit_s": a.time_limit, **options}, device=device)
-    ctx["captured_with"], ctx["loss_head"] = how, _head(graph)
+    ctx["captured_with"], ctx["loss_head"] = how, loss_head_of(graph)
     plan = _details(dataclasses.replace(plan, context=ctx), graph)
     plan.save(a.out)
     gap = "" if plan.gap is None else f", gap {plan.gap:.1%}"
@@ -389,7 +378,7 @@ def max_batch_cmd(a: argparse.Namespace) -> int:
             graph, _how = capture_graph(model, args, kwargs, fused, device, chunked_loss=a.chunked_loss == "on")
             ctx = plan_context(model, args, kwargs or None, fused_attention=fused, solver=a.solver,
                                solver_options={"time_limit_s": a.time_limit, **options}, device=device)
-            ctx["captured_with"], ctx["loss_head"] = _how, _head(graph)
+            ctx["captured_with"], ctx["loss_head"] = _how, loss_head_of(graph)
             graphs[b] = (graph, ctx)
         return graphs[b]
 
