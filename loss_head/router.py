@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.attention.spellings import torch_callables
 from remat.compat.torch_private import tensor_base
 from remat.loss_head.op import REDUCTIONS, chunk_rows_for
 
@@ -70,25 +71,16 @@ def _backward_flops(dloss_shape, h_shape, w_shape, *args, out_shape=None, **kwar
     return 6 * h_shape[0] * h_shape[1] * w_shape[0]
 
 
-def _callables(*names: str, funcs: tuple = ()) -> frozenset:
-    found = set(funcs)
-    for name in names:
-        for cls in (torch.Tensor, tensor_base):
-            if hasattr(cls, name):
-                found.add(getattr(cls, name))
-    return frozenset(found)
-
-
 LINEAR_OPS = frozenset({F.linear})
-MATMUL_OPS = _callables("__matmul__", "matmul", funcs=(torch.matmul,))
-TRANSPOSE_OPS = _callables("t", "transpose", funcs=(torch.t, torch.transpose)) | frozenset(
+MATMUL_OPS = torch_callables("__matmul__", "matmul", funcs=(torch.matmul,))
+TRANSPOSE_OPS = torch_callables("t", "transpose", funcs=(torch.t, torch.transpose)) | frozenset(
     {torch.Tensor.T.__get__, tensor_base.T.__get__, torch.Tensor.mT.__get__, tensor_base.mT.__get__})
-TRANSPOSE_DIMS_OPS = _callables("transpose", funcs=(torch.transpose,))
-FLOAT_OPS = _callables("float", "double")
-TO_OPS = _callables("to", "type")
-RESHAPE_OPS = _callables("view", "reshape", "flatten", "contiguous", funcs=(torch.reshape, torch.flatten))
-GETITEM_OPS = _callables("__getitem__")
-LOG_SOFTMAX_OPS = _callables("log_softmax", funcs=(F.log_softmax, torch.log_softmax))
+TRANSPOSE_DIMS_OPS = torch_callables("transpose", funcs=(torch.transpose,))
+FLOAT_OPS = torch_callables("float", "double")
+TO_OPS = torch_callables("to", "type")
+RESHAPE_OPS = torch_callables("view", "reshape", "flatten", "contiguous", funcs=(torch.reshape, torch.flatten))
+GETITEM_OPS = torch_callables("__getitem__")
+LOG_SOFTMAX_OPS = torch_callables("log_softmax", funcs=(F.log_softmax, torch.log_softmax))
 CROSS_ENTROPY_OPS = frozenset({F.cross_entropy})
 NLL_OPS = frozenset({F.nll_loss})
 
