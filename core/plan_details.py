@@ -90,6 +90,7 @@ class PlanDetails(TypedDict, total=False):
     # ---- the loss head (remat/pipeline.py) ------------------------------------------------------
     loss_head: str  # "chunked" (remat's chunked linear cross-entropy op) or "unchunked" (the model's own)
     loss_head_flops: int  # FLOPs the chunked head's graph adds to the model's (when both were traced)
+    loss_head_cost: float  # the same in the cost model's units (a plan's extra_cost leaves it out)
     # ---- planning without the memory (remat/planning.py) ----------------------------------------
     estimated_workspaces: list[dict[str, Any]]
     buffers_without_data: list[str]

@@ -74,7 +74,7 @@ from remat.loss_head.router import chunked_loss_mode
 from remat.solving import solve, strategy_options
 
 __all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
-           "REUSE_TIGHTNESS", "has_chunked_head", "plan_head"]
+           "REUSE_TIGHTNESS", "has_chunked_head", "head_added", "plan_head"]
 
 # A schedule planned for another call serves a new one when its peak there uses at least this share
 # of the budget: with more room left a solve is likely to find a plan that recomputes less.
@@ -177,6 +177,13 @@ def _head_worth_tracing(graph: TrainingGraph, budget: int) -> bool:
 def has_chunked_head(graph: TrainingGraph) -> bool:
     """Whether the loss head of `graph` is remat's chunked op (the router routed one)."""
     return any(n.op.startswith("chunked_linear_cross_entropy") for n in graph.nodes)
+
+
+def head_added(chunked: TrainingGraph, plain: TrainingGraph) -> dict[str, Any]:
+    """What the chunked head's graph adds to the model's own: FLOPs, and cost in the cost model's
+    units (the plan's extra cost counts only its recomputations), as details for reports."""
+    return {"loss_head_flops": sum(n.flops for n in chunked.nodes) - sum(n.flops for n in plain.nodes),
+            "loss_head_cost": chunked.total_cost - plain.total_cost}
 
 
 def plan_head(plan: Plan) -> str:
@@ -362,9 +369,8 @@ class StepPlanner:
         if plain is None or (chunked is not None and chunked.plan.total_cost < plain.plan.total_cost):
             assert chunked is not None
             if False in traced:  # what the chunked head costs beyond the model's, for reports
-                added = sum(n.flops for n in traced[True].nodes) - sum(n.flops for n in traced[False].nodes)
-                chunked.plan = dataclasses.replace(chunked.plan, details={**chunked.plan.details,
-                                                                          "loss_head_flops": added})
+                chunked.plan = dataclasses.replace(chunked.plan, details={
+                    **chunked.plan.details, **head_added(traced[True], traced[False])})
             return chunked
         return plain
 

@@ -32,7 +32,7 @@ from remat.graph_capture.scaled_workspace import ProbeLimits
 from remat.core.training_graph import TrainingGraph
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.loss_head.router import chunked_loss_mode
-from remat.pipeline import has_chunked_head
+from remat.pipeline import has_chunked_head, head_added
 from remat.solver.checkmate.peak_rows import peak_floor
 from remat.validate import (RematArgumentError, RematArgumentTypeError, budget_in_bytes,
                             check_optimize_args, example_arguments)
@@ -141,8 +141,7 @@ def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, 
             raise min((failed, e), key=lambda x: x.min_feasible_bytes if x.min_feasible_bytes is not None
                       else float("inf")) from None
         if plain is None or chunked.total_cost < plain.total_cost:
-            added = sum(n.flops for n in other.nodes) - sum(n.flops for n in graph.nodes)
-            return dataclasses.replace(chunked, details={**chunked.details, "loss_head_flops": added})
+            return dataclasses.replace(chunked, details={**chunked.details, **head_added(other, graph)})
         return plain
 
 

@@ -16,7 +16,7 @@ from remat.machine_info import MiB
 from remat.measure import count_flops, measure_peak
 from remat.core.plan import Plan
 
-__all__ = ["StrategyRow", "training_step", "run_strategy", "format_table", "reference_step"]
+__all__ = ["StrategyRow", "training_step", "run_strategy", "format_table", "reference_step", "extra_cost_frac"]
 
 
 @dataclass
@@ -28,7 +28,7 @@ class StrategyRow:
     status: str
     predicted_peak_bytes: int
     measured_peak_bytes: int
-    extra_cost_frac: float  # recomputation cost / cost of one plain step (cost model)
+    extra_cost_frac: float  # recomputations (+ a chunked head's added cost) / the model's own step's cost
     extra_flops_predicted: int
     extra_flops_measured: int
     solve_time_s: float
@@ -136,10 +136,17 @@ def run_strategy(model: nn.Module, inputs: Sequence, strategy: str, budget_bytes
     p = opt.plan
     return StrategyRow(strategy=strategy, budget_bytes=budget_bytes, status=p.status,
                        predicted_peak_bytes=p.predicted_peak_bytes, measured_peak_bytes=peak,
-                       extra_cost_frac=p.extra_cost / opt.graph.total_cost,
+                       extra_cost_frac=extra_cost_frac(p, opt.graph),
                        extra_flops_predicted=_extra_flops(p), extra_flops_measured=flops - ref_flops,
                        solve_time_s=p.solve_time_s, step_time_s=step_time,
                        grads_match=grads_ok, max_grad_err=err, plan=p)
+
+
+def extra_cost_frac(plan: Plan, graph) -> float:
+    """The plan's extra cost over the model's own step, as a fraction of that step's cost: its
+    recomputations, plus what a chunked loss head adds (remat/pipeline.py records it)."""
+    head = float(plan.details.get("loss_head_cost", 0.0))
+    return (plan.extra_cost + head) / (graph.total_cost - head)
 
 
 def _extra_flops(plan: Plan) -> int:

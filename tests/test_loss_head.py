@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
+from remat.report import extra_cost_frac
 from remat.core.plan import PlanMismatchError
 from remat.loss_head.op import chunk_rows_for, chunked_linear_cross_entropy
 from remat.loss_head.router import route_loss_head
@@ -291,6 +292,11 @@ def test_auto_chunks_only_where_it_pays():
     tight = remat.optimize(model, budget_bytes=int(0.4 * keep), example_inputs=args, quiet=True)
     assert tight.plan.details["loss_head"] == "chunked"
     assert tight.plan.predicted_peak_bytes <= 0.4 * keep
+    # reports count what the chunked head itself adds to the model's step (in the cost model: more
+    # FLOPs, less memory traffic) beside the recomputations, against the model's own step
+    added = remat.capture(model, args, chunked_loss=True).total_cost - graph.total_cost
+    assert added != 0 and tight.plan.details["loss_head_cost"] == pytest.approx(added)
+    assert extra_cost_frac(tight.plan, tight.graph) == pytest.approx((tight.plan.extra_cost + added) / graph.total_cost)
     _close(_loss_grads(tight, params, args), _loss_grads(model, params, args), FP32)
     measured = remat.measure_peak(lambda: tight(*args).backward(), resident=[model, *args])
     assert measured == tight.plan.predicted_peak_bytes  # the simulator is exact on the CPU, the op included
