@@ -40,10 +40,9 @@ from remat.core.plan import Plan
 from remat.solver.schedule import keep_all_schedule
 from remat.core.simulator import simulate
 from remat.solving import strategy_options
-from remat.pipeline import has_chunked_head
 from remat.validate import RematArgumentError, check_solve_args
 
-__all__ = ["load_factory", "takes_batch", "build", "capture_graph", "loss_head_of", "keep_all_peak", "try_solve",
+__all__ = ["load_factory", "takes_batch", "build", "capture_graph", "keep_all_peak", "try_solve",
            "CheckResult", "check_plan", "BatchSearch", "largest_batch", "default_gpt",
            "default_gpt_batch"]
 
@@ -166,11 +165,6 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, fused_attention: 
     args, kwargs = _to(args, device), _to(kwargs, device)
     return (capture(model, args, kwargs or None, fused_attention=fused_attention, chunked_loss=chunked_loss),
             f"real tensors (fake: {why})")
-
-
-def loss_head_of(graph: TrainingGraph) -> str:
-    """The loss head a captured graph has, as plans record it in their context (remat/pipeline.py)."""
-    return "chunked" if has_chunked_head(graph) else "unchunked"
 
 
 def keep_all_peak(graph: TrainingGraph) -> int:

@@ -39,9 +39,9 @@ log-softmax of at least HEAD_SHARE (1%) of the budget (nothing a chunked head co
 second trace); otherwise (a plan that recomputes, or no plan that fits) the step is traced again
 with the chunked head and planned too, and the plan that fits with the lower total cost (the
 graph's cost plus its recomputations) is kept. A later call traces the head the last call's plan
-took first; where that call's schedule serves (3. above), the other head is not traced. The plan records its head (`details["loss_head"]`,
-and its context), and a saved plan is deployed on the head it was made for (deployment.py refuses
-one whose head `chunked_loss` excludes).
+took first; where that call's schedule serves (3. above), the other head is not traced. The plan
+records its head (`details["loss_head"]`, and its context), and a saved plan is deployed on the
+head it was made for (deployment.py refuses one whose head `chunked_loss` excludes).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ from remat.loss_head.router import chunked_loss_mode
 from remat.solving import solve, strategy_options
 
 __all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
-           "REUSE_TIGHTNESS", "has_chunked_head", "head_added", "plan_head"]
+           "REUSE_TIGHTNESS", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
 
 # A schedule planned for another call serves a new one when its peak there uses at least this share
 # of the budget: with more room left a solve is likely to find a plan that recomputes less.
@@ -179,6 +179,11 @@ def has_chunked_head(graph: TrainingGraph) -> bool:
     return any(n.op.startswith("chunked_linear_cross_entropy") for n in graph.nodes)
 
 
+def loss_head_of(graph: TrainingGraph) -> str:
+    """The loss head a traced graph has, as plans record it: "chunked" or "unchunked"."""
+    return "chunked" if has_chunked_head(graph) else "unchunked"
+
+
 def head_added(chunked: TrainingGraph, plain: TrainingGraph) -> dict[str, Any]:
     """What the chunked head's graph adds to the model's own: FLOPs, and cost in the cost model's
     units (the plan's extra cost counts only its recomputations), as details for reports."""
@@ -207,7 +212,7 @@ def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptio
                                         graph_compilers=graphs.compilers, chunked_loss=chunked)
     total = time.perf_counter() - t0
     assert planner.plan is not None
-    head = "chunked" if has_chunked_head(planner.graph) else "unchunked"
+    head = loss_head_of(planner.graph)
     planner.plan = dataclasses.replace(planner.plan, details={**planner.plan.details, "loss_head": head},
                                        context={**planner.plan.context, "loss_head": head}
                                        if planner.plan.context else planner.plan.context)

@@ -32,7 +32,7 @@ from remat.graph_capture.scaled_workspace import ProbeLimits
 from remat.core.training_graph import TrainingGraph
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.loss_head.router import chunked_loss_mode
-from remat.pipeline import has_chunked_head, head_added
+from remat.pipeline import has_chunked_head, head_added, loss_head_of
 from remat.solver.checkmate.peak_rows import peak_floor
 from remat.validate import (RematArgumentError, RematArgumentTypeError, budget_in_bytes,
                             check_optimize_args, example_arguments)
@@ -110,7 +110,7 @@ def plan(model: nn.Module, example_inputs: Any, budget_gb: float | None = None, 
 
     def solved(graph: TrainingGraph) -> Plan:
         p = solve(graph, budget, solver=solver, time_limit_s=time_limit_s, **solver_kwargs)
-        head = "chunked" if has_chunked_head(graph) else "unchunked"
+        head = loss_head_of(graph)
         return dataclasses.replace(p, details={**p.details, **plan_details(graph), "loss_head": head})
 
     with progress.quiet(quiet):
