@@ -142,6 +142,33 @@ def test_every_schedule_is_a_point_of_the_relaxation(g):
             assert violations(moved, point_of_schedule(moved, sched)) == [], (g.name, opts, "moved")
 
 
+@pytest.mark.parametrize("g", GRAPHS[2:], ids=lambda g: g.name)
+def test_leaving_small_values_out_keeps_every_schedule_a_point(g, monkeypatch):
+    """The relaxation without its small values (treated as live whenever read, holding no memory)
+    still has every schedule as a point, at no higher objective; its bound is no higher than the
+    whole model's, and its plans never drop a value it left out."""
+    from remat.solver.checkmate import relaxation
+
+    monkeypatch.setattr(relaxation, "SMALL_RATIO", 1.0)
+    monkeypatch.setattr(relaxation, "SMALL_SHARE", 0.3)
+    rng = random.Random(len(g.nodes))
+    cands = equal_spacing.checkpoint_candidates(g)
+    scheds = [random_schedule(g, rng, p) for p in (0.15, 0.4)] + [schedule_from_kept(g, cands[2::3])]
+    for sched in scheds:
+        sim = simulate(g, sched)
+        for opts in OPTIONS[1:]:
+            for budget in (sim.peak_bytes, None):
+                rel = Relaxation(g, budget, small_from_nodes=0, **opts)
+                assert rel.unmodelled and all(not rel.recomputable[u] for u in rel.unmodelled)
+                x = point_of_schedule(rel, sched)
+                assert violations(rel, x) == [], (g.name, opts, budget)
+                if budget is not None:
+                    assert float(np.dot(rel.model.cost, x)) * rel.cost_scale <= sim.extra_cost * (1 + 1e-9) + 1e-9
+                    whole = Relaxation(g, budget, small_from_nodes=10 ** 9, **opts)
+                    assert not whole.unmodelled
+                    assert rel.model.solve().bound <= whole.model.solve().bound * (1 + 1e-9) + 1e-9
+
+
 CHAINS = [(4, 1, "min"), (5, 0, "min"), (7, 1, "min+"), (8, 1, "min"), (9, 0, "mid"), (10, 7, "mid"), (6, 3, "min")]
 
 

@@ -140,8 +140,8 @@ def point_of_schedule(rel: Relaxation, schedule: list[str]) -> np.ndarray:
         from remat.core.simulator import simulate
 
         x[rel.peak] = simulate(g, schedule).peak_bytes / rel.mem_scale
-    for (u, k, s), col in rel.live.items():
-        x[col] = float(live(u, k, at[s]))
+    for (u, k, s), col in rel.live.items():  # a value left out of the model is live whenever read
+        x[col] = 1.0 if u in rel.unmodelled else float(live(u, k, at[s]))
     for (u, s), col in rel.again.items():
         d = rel.deadline[u, s]
         end = tau[d] if d < n else math.inf
