@@ -74,6 +74,7 @@ class _Tables:
                        for i in v.inputs] for v in nodes]
         self.key_node = [i for i, v in enumerate(nodes) for _ in _parts(v)]
         self.key_part = [k for v in nodes for k in range(len(_parts(v)))]
+        self.last: tuple | None = None  # (schedule as node indices, its _last_read_keys)
 
 
 def _tables(graph: TrainingGraph) -> _Tables:
@@ -85,7 +86,18 @@ def _tables(graph: TrainingGraph) -> _Tables:
 
 
 def _last_read_keys(tab: _Tables, steps: list[int]) -> list[list[int]]:
-    """last_reads, as part keys of a schedule given as node indices."""
+    """last_reads, as part keys of a schedule given as node indices (the last schedule's answer is
+    kept: the plan searches prune a schedule, then simulate the same one)."""
+    key = tuple(steps)
+    last = tab.last  # read once: another thread may replace it
+    if last is not None and last[0] == key:
+        return last[1]
+    frees = _scan_last_reads(tab, steps)
+    tab.last = (key, frees)
+    return frees
+
+
+def _scan_last_reads(tab: _Tables, steps: list[int]) -> list[list[int]]:
     frees: list[list[int]] = [[] for _ in steps]
     pending = bytearray(len(tab.part_bytes))  # parts already read by a later step, same instance
     for s in range(len(steps) - 1, -1, -1):

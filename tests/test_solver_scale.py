@@ -151,6 +151,7 @@ def test_leaving_small_values_out_keeps_every_schedule_a_point(g, monkeypatch):
 
     monkeypatch.setattr(relaxation, "SMALL_RATIO", 1.0)
     monkeypatch.setattr(relaxation, "SMALL_SHARE", 0.3)
+    monkeypatch.setattr(relaxation, "SMALL_MIN_COUNT", 1)
     rng = random.Random(len(g.nodes))
     cands = equal_spacing.checkpoint_candidates(g)
     scheds = [random_schedule(g, rng, p) for p in (0.15, 0.4)] + [schedule_from_kept(g, cands[2::3])]
