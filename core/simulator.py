@@ -74,6 +74,7 @@ class _Tables:
                        for i in v.inputs] for v in nodes]
         self.key_node = [i for i, v in enumerate(nodes) for _ in _parts(v)]
         self.key_part = [k for v in nodes for k in range(len(_parts(v)))]
+        self.forward_kept = [v for v in nodes if v.forward_kept]  # the nodes with forward-kept outputs
         self.last: tuple | None = None  # (schedule as node indices, its _last_read_keys)
 
 
@@ -161,21 +162,20 @@ def _releases(graph: TrainingGraph, schedule: list[str], end: int | None) -> dic
     out: dict[int, int] = {}
     if end is None:
         return out
-    steps: dict[str, list[int]] = {}
-    for s, name in enumerate(schedule):
-        steps.setdefault(name, []).append(s)
+    last = {name: s for s, name in enumerate(schedule)}  # each node's last step
+    first = {name: s for s, name in reversed(list(enumerate(schedule)))}  # ... and its first
 
     def last_read(readers: tuple[str, ...], default: int) -> int:
-        return max([s for r in readers for s in steps.get(r, ())] + [default])
+        return max([last[r] for r in readers if r in last] + [default])
 
     for b, readers in graph.tangents:
         if readers:  # zeros AOTAutograd made: the backward graph drops them after their last read
             s = last_read(readers, end + 1)
             out[s] = out.get(s, 0) + b
-    for v in graph.nodes:
-        if v.forward_kept and v.name in steps:
+    for v in _tables(graph).forward_kept:
+        if v.name in first:
             for b, readers in v.forward_kept:  # not before it is computed, should that be later
-                s = last_read(readers, max(end, steps[v.name][0]))
+                s = last_read(readers, max(end, first[v.name]))
                 out[s] = out.get(s, 0) + b
     return out
 
