@@ -147,11 +147,11 @@ def test_leaving_small_values_out_keeps_every_schedule_a_point(g, monkeypatch):
     """The relaxation without its small values (treated as live whenever read, holding no memory)
     still has every schedule as a point, at no higher objective; its bound is no higher than the
     whole model's, and its plans never drop a value it left out."""
-    from remat.solver.checkmate import relaxation
+    from remat.solver.checkmate import small_values
 
-    monkeypatch.setattr(relaxation, "SMALL_RATIO", 1.0)
-    monkeypatch.setattr(relaxation, "SMALL_SHARE", 0.3)
-    monkeypatch.setattr(relaxation, "SMALL_MIN_COUNT", 1)
+    monkeypatch.setattr(small_values, "SMALL_RATIO", 1.0)
+    monkeypatch.setattr(small_values, "SMALL_SHARE", 0.3)
+    monkeypatch.setattr(small_values, "SMALL_MIN_COUNT", 1)
     rng = random.Random(len(g.nodes))
     cands = equal_spacing.checkpoint_candidates(g)
     scheds = [random_schedule(g, rng, p) for p in (0.15, 0.4)] + [schedule_from_kept(g, cands[2::3])]

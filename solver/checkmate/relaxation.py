@@ -47,12 +47,8 @@ sitting rows, the closure between groups: with the needs constant over the gap, 
 replace the group's states there by the state of its row of least memory (no row gets more
 memory, no recomputation is added); bounds.point_of_schedule does exactly that, one row for the
 twins together. Llama-3.2-1B-like (1,825 nodes): 148k variables, where one state per node and
-row it lives would be 2.1M.
-
-Small values (small_values: positions, masks, norm statistics, far below the activations) are left
-out on large graphs: live whenever read, holding no memory, never recomputed in the model. Every
-schedule maps onto the smaller model (its small values' recomputations and bytes dropped), so its
-optimum is still a lower bound; bounds.point_of_schedule maps them as live.
+row it lives would be 2.1M. Large graphs leave their small values out (solver/checkmate/small_values.py:
+live whenever read, no memory, never recomputed); bounds.point_of_schedule maps them as live.
 """
 from __future__ import annotations
 
@@ -61,11 +57,10 @@ import math
 
 from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.relaxation_rows import build_rows, rhs_of
+from remat.solver.checkmate.small_values import small_values
 from remat.solver.checkmate.sparse_lp import SparseModel
 
-__all__ = ["Relaxation", "group_ranges", "forward_cuts", "long_lived", "groups_of", "small_values", "SAFETY",
-           "SMALL_SHARE", "SMALL_RATIO", "SMALL_FROM_NODES", "SMALL_MIN_COUNT",
-           "MIN_SIT"]
+__all__ = ["Relaxation", "group_ranges", "forward_cuts", "long_lived", "groups_of", "SAFETY", "MIN_SIT"]
 
 SAFETY = 1e-7  # relative margin taken off every bound: HiGHS's tolerances
 
@@ -185,49 +180,6 @@ def groups_of(graph: TrainingGraph, target: int = 20, dense: bool = False) -> li
     return out
 
 
-# On graphs of SMALL_FROM_NODES nodes or more, the relaxation leaves out the forward values of at most
-# SMALL_RATIO of the median forward value's bytes, smallest first, together at most SMALL_SHARE of the
-# budget above the resident bytes (small_values): Gemma-2's rotary positions, masks and norm
-# statistics (64 B-4 KB against 512 KB activations and a 27 MB room) are read by every layer and made
-# 28% of its relaxation's variables. Smaller graphs keep every value: their LPs are fast, and any
-# change of the LP moves its solution to another vertex and the plans read off it (the default GPT
-# with one 2 KB value left out: 8.894% extra instead of 8.724%). For the same reason fewer than
-# SMALL_MIN_COUNT small values are not left out: they save little (ResNet-50 has two, its fc output
-# among them, and its plan at the smallest feasible budget cost 35.4% instead of 33.8% without them)
-SMALL_FROM_NODES = 400
-SMALL_MIN_COUNT = 16
-SMALL_RATIO = 1 / 64
-SMALL_SHARE = 0.002
-
-
-def small_values(graph: TrainingGraph, budget: int, share: float | None = None, ratio: float | None = None,
-                 min_nodes: int | None = None) -> set[int]:
-    """The recomputable forward values (indices) of at most `ratio` of the median forward value's
-    bytes, smallest first, whose bytes add up to at most `share` of the budget above the resident
-    bytes. The relaxation treats them as live whenever read and holding no memory: every schedule
-    is still one of its points (drop a small value's recomputations, cost >= 0, and its bytes from
-    every row: no row gets more), so its bound stays a bound, lower by at most what their bytes
-    would have freed; the plans read off it never drop them (refining may). None on graphs of
-    fewer than `min_nodes` nodes, and none where fewer than SMALL_MIN_COUNT qualify. Arguments
-    given as None: the module's SMALL_SHARE, SMALL_RATIO, SMALL_FROM_NODES."""
-    share = SMALL_SHARE if share is None else share
-    ratio = SMALL_RATIO if ratio is None else ratio
-    if len(graph.nodes) < (SMALL_FROM_NODES if min_nodes is None else min_nodes):
-        return set()
-    values = sorted((v.out_bytes, u) for u, v in enumerate(graph.nodes) if v.recomputable and not v.is_backward)
-    if not values:
-        return set()
-    cap = ratio * values[len(values) // 2][0]
-    room = (budget - graph.resident_bytes) * share
-    out, total = set(), 0
-    for b, u in values:
-        if b > cap or total + b > room:
-            break
-        total += b
-        out.add(u)
-    return out if len(out) >= SMALL_MIN_COUNT else set()
-
-
 MIN_SIT = 2  # a gap of fewer rows between a group's active rows is modelled row by row
 
 
@@ -264,7 +216,7 @@ class Relaxation:
                  fwd_reads_only: bool | None = None, transients: bool = True, small_from_nodes: int | None = None):
         """budget None: the model of the smallest peak (every memory row at most a variable P, the
         objective; recomputation is free), for a lower bound on any schedule's peak. small_from_nodes:
-        the graph size from which small values are left out (small_values; None: SMALL_FROM_NODES)."""
+        from how many nodes small values are left out (None: SMALL_FROM_NODES)."""
         self.graph = graph
         self.budget_given = budget is not None
         if budget is None:
@@ -307,7 +259,7 @@ class Relaxation:
         nodes, idx, n = g.nodes, g.index, self.n
         self.part_bytes = [_parts(v) for v in nodes]
         self.recomputable = [v.recomputable for v in nodes]
-        for u in self.unmodelled:  # as if never recomputed, holding no memory (see small_values)
+        for u in self.unmodelled:  # as if never recomputed, holding no memory
             self.recomputable[u] = False
             self.part_bytes[u] = [0] * len(self.part_bytes[u])
         self.reads = [[] for _ in range(n)]  # v -> [(u, k)]: the parts it reads
