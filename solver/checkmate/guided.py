@@ -37,8 +37,8 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
     forgotten inputs first); unread instances pruned if `prune`. sticky: a value computed again
     in the backward is not forgotten again (it lives to its last read: recomputing it once per
     read would cost more than the memory it holds where memory is plentiful)."""
-    nodes, idx = graph.nodes, graph.index
-    inputs = [[idx[i] for i in v.inputs] for v in nodes]
+    nodes = graph.nodes
+    inputs = _input_indices(graph)
     valid = [False] * len(nodes)
     again = [False] * len(nodes)  # computed again in the backward
     sched: list[str] = []
@@ -65,13 +65,24 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
                 valid[u] = False  # a new instance, computed here as the relaxation does
                 ensure(u)
         for i in inputs[t]:
-            ensure(i)
+            if not valid[i]:
+                ensure(i)
         sched.append(v.name)
         valid[t] = True
         for u in drops[t]:
             if not again[u]:
                 valid[u] = False
     return prune_unread(graph, sched) if prune else sched
+
+
+def _input_indices(graph: TrainingGraph) -> list[list[int]]:
+    """Each node's inputs as node indices, cached on the graph object (frozen: never stale; the
+    plan searches build thousands of schedules of one graph)."""
+    out = graph.__dict__.get("_input_indices")
+    if out is None:
+        idx = graph.index
+        out = graph.__dict__["_input_indices"] = [[idx[i] for i in v.inputs] for v in graph.nodes]
+    return out
 
 
 def recomputations_at(rel: Relaxation, x: np.ndarray, threshold: float) -> list[list[int]]:
