@@ -103,6 +103,11 @@ class TrainingGraph:
         return {k: tuple(v) for k, v in out.items()}
 
     @cached_property
+    def input_indices(self) -> tuple[tuple[int, ...], ...]:
+        """Each node's inputs as node indices (the solvers build thousands of schedules of one graph)."""
+        return tuple(tuple(self.index[i] for i in n.inputs) for n in self.nodes)
+
+    @cached_property
     def edges(self) -> tuple[tuple[str, str], ...]:
         return tuple((i, n.name) for n in self.nodes for i in n.inputs)
 

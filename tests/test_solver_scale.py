@@ -21,6 +21,7 @@ import pytest
 from remat.core.training_graph import Node
 from remat.solver import checkmate, equal_spacing
 from remat.solver.checkmate.bounds import lower_bound, peak_lower_bound, point_of_schedule
+from remat.solver.checkmate.guided import THRESHOLDS, drops_at
 from remat.solver.checkmate.relaxation import Relaxation, groups_of, long_lived
 from remat.solver.schedule import keep_all_schedule, schedule_from_kept
 from remat.core.simulator import simulate
@@ -167,7 +168,10 @@ def test_leaving_small_values_out_keeps_every_schedule_a_point(g, monkeypatch):
                     assert float(np.dot(rel.model.cost, x)) * rel.cost_scale <= sim.extra_cost * (1 + 1e-9) + 1e-9
                     whole = Relaxation(g, budget, small_from_nodes=10 ** 9, **opts)
                     assert not whole.unmodelled
-                    assert rel.model.solve().bound <= whole.model.solve().bound * (1 + 1e-9) + 1e-9
+                    sol = rel.model.solve()
+                    assert sol.bound <= whole.model.solve().bound * (1 + 1e-9) + 1e-9
+                    for th in THRESHOLDS:
+                        assert not set().union(*drops_at(rel, sol.x, th)) & rel.unmodelled
 
 
 CHAINS = [(4, 1, "min"), (5, 0, "min"), (7, 1, "min+"), (8, 1, "min"), (9, 0, "mid"), (10, 7, "mid"), (6, 3, "min")]

@@ -38,7 +38,7 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
     in the backward is not forgotten again (it lives to its last read: recomputing it once per
     read would cost more than the memory it holds where memory is plentiful)."""
     nodes = graph.nodes
-    inputs = _input_indices(graph)
+    inputs = graph.input_indices
     valid = [False] * len(nodes)
     again = [False] * len(nodes)  # computed again in the backward
     sched: list[str] = []
@@ -73,16 +73,6 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
             if not again[u]:
                 valid[u] = False
     return prune_unread(graph, sched) if prune else sched
-
-
-def _input_indices(graph: TrainingGraph) -> list[list[int]]:
-    """Each node's inputs as node indices, cached on the graph object (frozen: never stale; the
-    plan searches build thousands of schedules of one graph)."""
-    out = graph.__dict__.get("_input_indices")
-    if out is None:
-        idx = graph.index
-        out = graph.__dict__["_input_indices"] = [[idx[i] for i in v.inputs] for v in graph.nodes]
-    return out
 
 
 def recomputations_at(rel: Relaxation, x: np.ndarray, threshold: float) -> list[list[int]]:
@@ -170,7 +160,7 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
     from remat.core.simulator import last_reads
 
     nodes, idx = graph.nodes, graph.index
-    inputs = [{idx[i] for i in v.inputs} for v in nodes]
+    inputs = [set(ins) for ins in graph.input_indices]
     drops = [set(d) for d in drops]
     for _ in range(max_rounds):
         sched = schedule_from_live(graph, drops, prune=False, before=before, sticky=sticky)

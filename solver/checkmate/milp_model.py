@@ -74,8 +74,7 @@ def _shape(g: TrainingGraph, unit: int) -> _Shape:
     """Where each node of `g` may be computed and kept, so that variables that can only be 0 are
     never made."""
     n = len(g.nodes)
-    idx = g.index
-    inputs = [tuple(idx[i] for i in v.inputs) for v in g.nodes]
+    inputs = g.input_indices
     users = [[] for _ in range(n)]
     for k, ins in enumerate(inputs):
         for i in ins:
@@ -312,7 +311,7 @@ def set_start(model: MilpModel, stages: list[list[int]]) -> bool:
     g, R, S = model.g, model.R, model.S
     n = len(g.nodes)
     idx = g.index
-    inputs = [tuple(idx[i] for i in v.inputs) for v in g.nodes]
+    inputs = g.input_indices
     Rv = {(t, i): 1 for t, st in enumerate(stages) for i in st}
     reads = {(t, i) for t, st in enumerate(stages) for k in st for i in inputs[k]}
     Sv = {}

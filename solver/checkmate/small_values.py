@@ -28,25 +28,22 @@ SMALL_RATIO = 1 / 64
 SMALL_SHARE = 0.002
 
 
-def small_values(graph: TrainingGraph, budget: int, share: float | None = None, ratio: float | None = None,
-                 min_nodes: int | None = None) -> set[int]:
-    """The recomputable forward values (indices) of at most `ratio` of the median forward value's
-    bytes, smallest first, whose bytes add up to at most `share` of the budget above the resident
+def small_values(graph: TrainingGraph, budget: int, min_nodes: int | None = None) -> set[int]:
+    """The recomputable forward values (indices) of at most SMALL_RATIO of the median forward value's
+    bytes, smallest first, whose bytes add up to at most SMALL_SHARE of the budget above the resident
     bytes. The relaxation treats them as live whenever read and holding no memory: every schedule
     is still one of its points (drop a small value's recomputations, cost >= 0, and its bytes from
     every row: no row gets more), so its bound stays a bound, lower by at most what their bytes
     would have freed; the plans read off it never drop them (refining may). None on graphs of
-    fewer than `min_nodes` nodes, and none where fewer than SMALL_MIN_COUNT qualify. Arguments
-    given as None: the module's SMALL_SHARE, SMALL_RATIO, SMALL_FROM_NODES."""
-    share = SMALL_SHARE if share is None else share
-    ratio = SMALL_RATIO if ratio is None else ratio
+    fewer than `min_nodes` nodes (None: SMALL_FROM_NODES), and none where fewer than
+    SMALL_MIN_COUNT qualify."""
     if len(graph.nodes) < (SMALL_FROM_NODES if min_nodes is None else min_nodes):
         return set()
     values = sorted((v.out_bytes, u) for u, v in enumerate(graph.nodes) if v.recomputable and not v.is_backward)
     if not values:
         return set()
-    cap = ratio * values[len(values) // 2][0]
-    room = (budget - graph.resident_bytes) * share
+    cap = SMALL_RATIO * values[len(values) // 2][0]
+    room = (budget - graph.resident_bytes) * SMALL_SHARE
     out, total = set(), 0
     for b, u in values:
         if b > cap or total + b > room:
