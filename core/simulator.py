@@ -76,6 +76,12 @@ class _Tables:
         self.key_part = [k for v in nodes for k in range(len(_parts(v)))]
         self.forward_kept = [v for v in nodes if v.forward_kept]  # the nodes with forward-kept outputs
         self.last: tuple | None = None  # (schedule as node indices, its _last_read_keys)
+        # per node, what simulate's loop reads of it, as plain values (no attribute lookups there):
+        # the keys it reads, what it adds while it runs, what it adds after, cost, FLOPs, whether
+        # it may be recomputed
+        self.per_node = [([key for _, keys in self.reads[i] for key in keys],
+                          v.out_bytes + v.kept_bytes + v.workspace_bytes, v.out_bytes + v.kept_bytes,
+                          v.cost, v.flops, v.recomputable) for i, v in enumerate(nodes)]
 
 
 def _tables(graph: TrainingGraph) -> _Tables:
@@ -101,18 +107,18 @@ def _last_read_keys(tab: _Tables, steps: list[int]) -> list[list[int]]:
 def _scan_last_reads(tab: _Tables, steps: list[int]) -> list[list[int]]:
     frees: list[list[int]] = [[] for _ in steps]
     pending = bytearray(len(tab.part_bytes))  # parts already read by a later step, same instance
+    own, per_node = tab.own, tab.per_node
     for s in range(len(steps) - 1, -1, -1):
         v = steps[s]
         f = frees[s]
-        for key in tab.own[v]:
+        for key in own[v]:
             if not pending[key]:
                 f.append(key)  # this instance's part is never read
             pending[key] = 0  # earlier instances are a different story
-        for _, keys in tab.reads[v]:
-            for key in keys:
-                if not pending[key]:
-                    f.append(key)
-                    pending[key] = 1
+        for key in per_node[v][0]:  # the keys v reads, input by input
+            if not pending[key]:
+                f.append(key)
+                pending[key] = 1
     return frees
 
 
@@ -138,11 +144,18 @@ def unread_steps(graph: TrainingGraph, schedule: list[str]) -> list[int]:
     instance), of nodes with no kept output: instances the runtime drops as dead code."""
     tab, nodes = _tables(graph), graph.nodes
     steps = _steps(graph, schedule)
+    own, key_node = tab.own, tab.key_node
     out = []
     for s, f in enumerate(_last_read_keys(tab, steps)):
         v = steps[s]
-        if len(f) >= len(tab.own[v]) and nodes[v].kept_bytes == 0 and \
-                sum(1 for key in f if tab.key_node[key] == v) == len(tab.own[v]):
+        n_own = len(own[v])
+        if len(f) < n_own or nodes[v].kept_bytes:
+            continue
+        freed_own = 0
+        for key in f:
+            if key_node[key] == v:
+                freed_own += 1
+        if freed_own == n_own:
             out.append(s)
     return out
 
@@ -180,6 +193,14 @@ def _releases(graph: TrainingGraph, schedule: list[str], end: int | None) -> dic
     return out
 
 
+def _not_live(nodes, tab: _Tables, live: list[int], computed: bytearray, s: int, vi: int) -> None:
+    """Raise the ScheduleError of step s, which reads a part that is not live."""
+    for i, keys in tab.reads[vi]:
+        if any(live[key] < 0 for key in keys):
+            raise ScheduleError(f"step {s} ({nodes[vi].name}) reads {nodes[i].name}, which is not live "
+                                f"({'freed' if computed[i] else 'never computed'})")
+
+
 def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     """Replay `schedule` over `graph`; raise ScheduleError if it cannot run."""
     tab, nodes = _tables(graph), graph.nodes
@@ -195,36 +216,39 @@ def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     peak, peak_step = mem, -1
     timeline = []
     total_cost, total_flops, recomputes = 0.0, 0, 0
+    own, part_bytes, key_node, per_node = tab.own, tab.part_bytes, tab.key_node, tab.per_node
+    tangents_at = -1 if end is None else end + 1
     for s, vi in enumerate(steps):
-        v = nodes[vi]
-        for i, keys in tab.reads[vi]:
-            if any(live[key] < 0 for key in keys):
-                raise ScheduleError(f"step {s} ({v.name}) reads {nodes[i].name}, which is not live "
-                                    f"({'freed' if computed[i] else 'never computed'})")
+        read_keys, running, added, cost, flops, recomputable = per_node[vi]
+        for key in read_keys:
+            if live[key] < 0:
+                _not_live(nodes, tab, live, computed, s, vi)
         if computed[vi]:
-            if not v.recomputable:
-                raise ScheduleError(f"step {s} recomputes {v.name}, which may not be recomputed")
+            if not recomputable:
+                raise ScheduleError(f"step {s} recomputes {nodes[vi].name}, which may not be recomputed")
             recomputes += 1
             if live_parts[vi]:  # an older instance still pending reads would be shadowed
-                raise ScheduleError(f"step {s} recomputes {v.name} while its earlier instance is live")
-        if end is not None and s == end + 1:
+                raise ScheduleError(f"step {s} recomputes {nodes[vi].name} while its earlier instance is live")
+        if s == tangents_at:
             mem += tangent_bytes
-        now = mem + v.out_bytes + v.kept_bytes + v.workspace_bytes
+        now = mem + running
         timeline.append(now)
         if now > peak:
             peak, peak_step = now, s
-        mem += v.out_bytes + v.kept_bytes  # kept bytes leave only with `releases` (forward_kept)
-        for key in tab.own[vi]:
-            live[key] = tab.part_bytes[key]
-        live_parts[vi] = len(tab.own[vi])
+        mem += added  # kept bytes leave only with `releases` (forward_kept)
+        keys = own[vi]
+        for key in keys:
+            live[key] = part_bytes[key]
+        live_parts[vi] = len(keys)
         computed[vi] = 1
-        total_cost += v.cost
-        total_flops += v.flops
+        total_cost += cost
+        total_flops += flops
         for key in frees[s]:
             mem -= live[key]
             live[key] = -1
-            live_parts[tab.key_node[key]] -= 1
-        mem -= releases.get(s, 0)
+            live_parts[key_node[key]] -= 1
+        if s in releases:
+            mem -= releases[s]
     missing = [n.name for i, n in enumerate(nodes) if not computed[i]]
     if missing:
         raise ScheduleError(f"schedule never computes {len(missing)} node(s), e.g. {missing[:5]}")

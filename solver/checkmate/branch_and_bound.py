@@ -27,15 +27,24 @@ import numpy as np
 
 from remat.solver.checkmate.relaxation import Relaxation
 
-__all__ = ["Certificate", "certify", "classes", "STALL", "STALL_RISE", "SIMPLEX_REPORT", "WORK_FLOOR"]
+__all__ = ["Certificate", "certify", "classes", "STALL", "STALL_RISE", "SIMPLEX_REPORT", "WORK_FLOOR",
+           "DEVEX_FROM_ROWS"]
 
 # the branch and bound may always spend this many simplex iterations, whatever its work factor
 # (a small graph's root LP takes a few hundred; proving its optimum takes some thousands)
 WORK_FLOOR = 30_000
-STALL = 50  # LPs without the bound rising before the search gives up (deterministic) ...
-# ... by at least this share of the gap left (on a CNN the bound creeps up by 1e-5 of the gap per
-# LP, 150 LPs for nothing)
-STALL_RISE = 0.01
+# LPs without the bound rising before the search gives up (deterministic) ... On a CNN the bound
+# creeps up by 1e-5 of the gap per LP, 150 LPs for nothing; on RegNet (945 nodes, LPs of 80k rows)
+# it rose by 0.04 points of its 5.5% gap in the 50 LPs after its third. Where the bound rises it
+# does so within a few LPs (every transformer of benchmarks/certificates.py)
+STALL = 20
+STALL_RISE = 0.01  # ... by at least this share of the gap left
+# On relaxations of this many rows or more the root LP takes the branch and bound's whole
+# iteration budget (WORK_ROWS / rows, solver/checkmate/certified_search.py), and HiGHS's devex
+# pricing solves it sooner than its default dual steepest edge, whose iterations cost more (T5,
+# 238k rows: 81k devex iterations against 77k). Below it the node LPs count:
+# steepest edge takes fewer iterations per LP, and the work limit counts iterations.
+DEVEX_FROM_ROWS = 100_000
 SIMPLEX_REPORT = 2000  # simplex iterations between two progress reports within one LP
 
 
@@ -85,6 +94,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     base = m.num_rows
     inf = highspy.kHighsInf
     h = m.highs(extra_rows=[(cols, -inf, inf) for cols in cls])
+    if m.num_rows >= DEVEX_FROM_ROWS:
+        h.setOptionValue("simplex_dual_edge_weight_strategy", 1)
     M = highspy.HighsModelStatus
     if on_simplex is not None:
         last = [0]

@@ -17,6 +17,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from remat.core.progress import stage
 from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.bounds import point_of_schedule, safe_bound
@@ -107,12 +109,18 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
     cs = rel.cost_scale
     attempts = {"n": 0}
     plans_log: list = []
+    searched: list = []  # the solutions read with the threshold search: reading one again gives the same plans
 
     def on_solution(x, value, force: bool = False) -> float:
         if attempts["n"] > PLAN_ATTEMPTS and not force:
             return best[1] / cs
+        search = attempts["n"] == 0 or force
+        if search and any(np.array_equal(x, y) for y in searched):  # the root's solution again, where
+            return best[1] / cs  # the branch and bound stopped at the root (T5): its plans are known
         attempts["n"] += 1
-        found = best_guided(graph, rel, x, budget, search=attempts["n"] == 1 or force)
+        if search:
+            searched.append(np.array(x, copy=True))
+        found = best_guided(graph, rel, x, budget, search=search)
         if found is not None:
             sched, record = found
             cost = simulate(graph, sched).extra_cost
