@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["more_model", "MORE_MODELS"]
+__all__ = ["more_model", "MORE_MODELS", "TEXT_MODELS", "VISION_MODELS"]
 
-MORE_MODELS = ("mistral", "phi", "opt", "bart", "roberta", "distilbert", "convnext", "hf_resnet18", "mobilenet_v2",
-               "regnet", "deit")
+TEXT_MODELS = ("mistral", "phi", "opt", "bart", "roberta", "distilbert")
+VISION_MODELS = ("convnext", "hf_resnet18", "mobilenet_v2", "regnet", "deit")
+MORE_MODELS = TEXT_MODELS + VISION_MODELS
 BATCH, SEQ, VOCAB, WIDTH = 8, 128, 128, 128
 
 
@@ -87,6 +88,5 @@ def more_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
     if name not in MORE_MODELS:
         raise ValueError(f"unknown model {name!r}; one of {MORE_MODELS}")
     torch.manual_seed(seed)
-    vision = name in ("convnext", "hf_resnet18", "mobilenet_v2", "regnet", "deit")
-    model, kwargs = _vision(name) if vision else _text(name)
+    model, kwargs = _vision(name) if name in VISION_MODELS else _text(name)
     return model.train(), kwargs
