@@ -15,11 +15,14 @@ Entry points (what each is for):
 * `autograd_sequence_nr()`: the autograd node counter, to tie graph nodes to module paths;
 * `autocast_supported_devices()`: the device types autocast knows;
 * `backward_without_autocast()`: trace the backward with autocast off, as eager autograd runs it;
-* `aot_module_simplified`, `default_partition`, `extract_fwd_bwd_modules`: AOTAutograd's tracer
-  and partitioner;
-* `aot_raw_forward(forward)`: the function `aot_module_simplified` wrapped, which takes the
-  parameters as arguments (so replaced parameters can be passed), or None;
-* `allow_retained_backward(forward)`: let a step `aot_module_simplified` compiled run a backward
+* `aot_export_joint(stack, module, args)`, `joint_needs_autograd(joint)`, `joint_graph(joint)`,
+  `joint_state_names(joint)`, `aot_compile_joint(joint, partition_fn, fw_compiler, bw_compiler)`:
+  AOTAutograd in two stages (trace the joint graph; compile it with a given split), so that the
+  split is decided between them, outside any callback;
+* `default_partition`, `extract_fwd_bwd_modules`: AOTAutograd's partitioner and its extraction of
+  the two graphs;
+* `as_partitioner_runs()`: the grad and autocast modes AOTAutograd runs its partitioner under;
+* `allow_retained_backward(forward)`: let a step AOTAutograd compiled run a backward
   with `retain_graph=True` (it refuses once compiled with donated buffers);
 * `backward_keeps_graph()`: inside a backward, whether it runs with `retain_graph=True`;
 * `is_input_mutation_output(desc)`: whether a joint-graph output descriptor is a mutated input;
@@ -40,13 +43,14 @@ from contextlib import contextmanager
 
 import torch
 import torch.utils._pytree as pytree
-from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["TESTED_TORCH", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
            "autograd_sequence_nr", "autocast_supported_devices", "backward_without_autocast",
-           "aot_module_simplified", "default_partition", "extract_fwd_bwd_modules", "aot_raw_forward",
+           "aot_export_joint", "joint_needs_autograd", "joint_graph", "joint_state_names", "aot_compile_joint",
+           "as_partitioner_runs", "default_partition", "extract_fwd_bwd_modules",
            "allow_retained_backward", "backward_keeps_graph",
            "is_input_mutation_output", "compile_session", "profiler_events", "compiled_submodules",
            "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake"]
@@ -84,22 +88,57 @@ def backward_without_autocast():
     return torch._functorch.config.patch(backward_pass_autocast="off")
 
 
-def aot_raw_forward(forward: Callable, params_and_buffers: list[torch.Tensor]) -> Callable | None:
-    """The function `aot_module_simplified` returned `forward` as a wrapper of (`__wrapped__`),
-    which takes one list: the parameters and buffers, then the inputs; if `forward` bound exactly
-    `params_and_buffers` (its closure's `params_buffers_flat`); else None (the caller then runs
-    `forward` with the parameters it was traced with)."""
-    raw = getattr(forward, "__wrapped__", None)
-    code = getattr(forward, "__code__", None)
-    cells = dict(zip(code.co_freevars, forward.__closure__ or ())) if code is not None else {}
-    bound = cells["params_buffers_flat"].cell_contents if "params_buffers_flat" in cells else None
-    same = (bound is not None and len(bound) == len(params_and_buffers)
-            and all(a is b for a, b in zip(bound, params_and_buffers)))
-    return raw if callable(raw) and same else None
+def aot_export_joint(stack, module: torch.nn.Module, args: list):
+    """AOTAutograd's first stage on `module(*args)`: its joint forward+backward graph, with the
+    module's parameters and buffers lifted as the graph's first inputs (`aot_export_joint_with_descriptors`).
+    `stack` (an entered ExitStack) holds AOTAutograd's contexts; it must stay open until
+    `aot_compile_joint` is done."""
+    return aot_export_joint_with_descriptors(stack, module, tuple(args))
+
+
+def joint_needs_autograd(joint) -> bool:
+    """Whether the traced step has a backward (some output requires grad); without one AOTAutograd
+    traced a forward only."""
+    return bool(joint._aot_state.needs_autograd)
+
+
+def joint_graph(joint) -> torch.fx.GraphModule:
+    """The joint graph: primals then tangents in; the forward's outputs (mutated inputs' new
+    values first), then one gradient per primal, out."""
+    return joint.graph_module
+
+
+def joint_state_names(joint) -> list[str]:
+    """The names of the parameters and buffers the joint graph takes first, in its order."""
+    return list(joint.params_spec) + list(joint.buffers_spec)
+
+
+def aot_compile_joint(joint, partition_fn: Callable, fw_compiler: Callable, bw_compiler: Callable) -> Callable:
+    """AOTAutograd's second stage: the traced joint graph split by `partition_fn` and compiled, as
+    `aot_module_simplified` runs it (`aot_stage2_compile`; `aot_compile_joint_with_descriptors`
+    would add a tracing context and a serializable forward compiler, which change what Inductor
+    compiles). Returns the runtime function taking one list (parameters, buffers, then the inputs)
+    and returning the outputs' list."""
+    from torch._functorch.aot_autograd import aot_stage2_compile
+
+    run, _ = aot_stage2_compile(joint._aot_state, joint._aot_graph_capture, partition_fn, fw_compiler, bw_compiler)
+    return run
+
+
+@contextmanager
+def as_partitioner_runs() -> Iterator[None]:
+    """Grad mode off and autocast off, as AOTAutograd runs a partition function: work on the joint
+    graph (rewrites, measuring ops, the split) runs as it would inside one."""
+    with torch.no_grad():
+        if torch._C._is_any_autocast_enabled():
+            with torch._C._DisableAutocast():
+                yield
+        else:
+            yield
 
 
 def allow_retained_backward(forward: Callable) -> int:
-    """Let the compiled step `forward` (what `aot_module_simplified` returned) run a backward with
+    """Let the compiled step `forward` (what `aot_compile_joint` returned) run a backward with
     `retain_graph=True`, as eager autograd does. AOTAutograd records which saved tensors its
     backward may donate (`ViewAndMutationMeta.bw_donated_idxs`) and, while
     `torch._functorch.config.donated_buffer` is on, refuses a retained backward once the backward

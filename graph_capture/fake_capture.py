@@ -33,16 +33,12 @@ import torch.nn as nn
 
 from remat.compat.torch_private import disable_current_modes, fake_tensor_mode, is_fake, pytree
 from remat.graph_capture.build import build_training_graph
-from remat.graph_capture.joint import PartitionFailed, trace_training_step
+from remat.graph_capture.joint import capture_training_step
 from remat.graph_capture.rewrites import prepare_joint_graph
 from remat.graph_capture.scaled_workspace import ProbeLimits, probe_within
 from remat.core.training_graph import TrainingGraph
 
 __all__ = ["capture_without_memory", "planned_device", "ProbeLimits"]
-
-
-class _GraphBuilt(Exception):
-    """Ends the trace once the graph is built: nothing is compiled or run."""
 
 
 def planned_device(device) -> torch.device:
@@ -125,19 +121,6 @@ def capture_without_memory(model: nn.Module, example_inputs: tuple, example_kwar
     probe_device = torch.device("cpu") if dev.type == "cpu" else (dev if torch.cuda.is_available() else None)
     allocator = dev.type
     name = type(model).__name__
-    built: list[TrainingGraph] = []
-    estimated: list[dict] = []
-
-    def partition(joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
-        try:  # what remat.capture does with the joint graph (remat/api.py), measured as asked
-            prepare_joint_graph(joint_gm, dev.type)  # as remat.capture does: the same graph
-            probed = probe_within(joint_gm, probe_device, limits, allocator)
-            info = build_training_graph(joint_gm, num_fwd_outputs, name=name, probe=probed, allocator=allocator)
-        except Exception as e:
-            raise PartitionFailed(e) from e
-        built.append(info.graph)
-        estimated.extend(probed.estimated)
-        raise PartitionFailed(_GraphBuilt())
 
     t0 = time.perf_counter()
     # a FakeTensorMode the caller may be in is stepped out of: the trace makes its own fakes, and
@@ -147,13 +130,15 @@ def capture_without_memory(model: nn.Module, example_inputs: tuple, example_kwar
         mode = fake_tensor_mode()
         args, kwargs = _fake_inputs(tuple(example_inputs), dict(example_kwargs or {}), mode)
         with _fake_state(model, mode) as without_data:
-            try:
-                trace_training_step(model, args, kwargs, partition, fused_attention, chunked_loss=chunked_loss)
-            except _GraphBuilt:
-                pass
-    assert built, "the partition function was not called"
-    g = built[0]
+            with capture_training_step(model, args, kwargs, fused_attention, chunked_loss=chunked_loss) as captured, \
+                    captured.graph_work():
+                # what remat.capture does with the joint graph (remat/pipeline.py), measured as asked
+                joint_gm = captured.joint_gm
+                prepare_joint_graph(joint_gm, dev.type)  # as remat.capture does: the same graph
+                probed = probe_within(joint_gm, probe_device, limits, allocator)
+                g = build_training_graph(joint_gm, captured.num_fwd_outputs, name=name, probe=probed,
+                                         allocator=allocator).graph
     g.meta.update({"planned_for": dev.type, "traced_on": "cpu (fake tensors)",
-                   "estimated_workspaces": estimated, "buffers_without_data": without_data,
+                   "estimated_workspaces": probed.estimated, "buffers_without_data": without_data,
                    "capture_s": round(time.perf_counter() - t0, 3)})
     return g

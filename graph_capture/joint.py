@@ -1,10 +1,13 @@
-"""Trace a model's training step into AOTAutograd's joint forward+backward fx graph.
+"""Trace a model's training step into AOTAutograd's joint forward+backward fx graph, and compile
+it once split.
 
-`trace_training_step` flattens (args, kwargs) into tensors, wraps the model so AOTAutograd sees a
-flat function, and runs `aot_module_simplified`. AOTAutograd hands the joint graph to a
-`partition_fn`; we pass our own so that whoever calls this (capture, or the runtime with a plan)
-decides how the graph is split into a forward and a backward. A partition function ends the trace
-with an error of its own by raising `PartitionFailed(error)`; any other failure is a TraceError.
+`capture_training_step` flattens (args, kwargs) into tensors, wraps the model so AOTAutograd sees a
+flat function, and runs AOTAutograd's first stage: the joint graph (`CapturedStep.joint_gm`).
+Whoever captured it decides, with plain calls, how the graph is split into a forward and a
+backward (remat/pipeline.py: build the TrainingGraph, solve, lay the graph out by the plan), then
+`CapturedStep.compile(forward_gm, backward_gm)` runs AOTAutograd's second stage, whose partition
+function only hands it those two graphs. A failure while tracing or compiling is a TraceError;
+an error of the caller's own between the two (an infeasible budget) leaves as it is.
 
 The compiled step is called with the model's parameters and buffers as they are at each call
 (`CompiledStep`): AOTAutograd binds the objects it saw while tracing, and a model whose
@@ -15,7 +18,8 @@ from __future__ import annotations
 
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,29 +27,20 @@ import torch
 import torch.nn as nn
 
 from remat.core.errors import RematError, RematWarning
-from remat.compat.torch_private import (allow_retained_backward, aot_module_simplified, aot_raw_forward,
-                                       backward_keeps_graph, pytree)
+from remat.compat.torch_private import (allow_retained_backward, aot_compile_joint, aot_export_joint,
+                                       as_partitioner_runs, backward_keeps_graph, joint_graph, joint_needs_autograd,
+                                       joint_state_names, pytree)
 from remat.graph_capture.eager_calls import eager_executable
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
 from remat.core.progress import Stage
 
-__all__ = ["FlatSignature", "TraceError", "OutputError", "PartitionFailed", "ParameterMismatchError",
-           "DoubleBackwardError", "RetainedGraphWarning", "CompiledStep", "run_boxed", "trace_training_step"]
+__all__ = ["FlatSignature", "TraceError", "OutputError", "ParameterMismatchError", "DoubleBackwardError",
+           "RetainedGraphWarning", "CompiledStep", "CapturedStep", "run_boxed", "capture_training_step"]
 
 
 class TraceError(RematError, RuntimeError):
     """The model's training step could not be traced; the message names the op or source line."""
-
-
-class PartitionFailed(RematError):
-    """Raised by a partition function to end tracing with `error`, an error of the caller's own
-    (a budget no plan fits, a saved plan for another graph, ...): trace_training_step raises
-    `error` itself, not a TraceError."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.error = error
 
 
 class ParameterMismatchError(RematError, RuntimeError):
@@ -166,8 +161,8 @@ class _FlatStep(nn.Module):
 
 
 def _state_of(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """Names and tensors of the parameters and buffers, in the order aot_module_simplified lifts
-    them as the step's first inputs (tied parameters once per name)."""
+    """Names and tensors of the parameters and buffers, in the order AOTAutograd lifts them as the
+    step's first inputs (tied parameters once per name)."""
     # one walk of the modules (named_parameters and named_buffers would walk them twice), in their
     # order: this runs before every step
     pnames, ptensors, bnames, btensors = [], [], [], []
@@ -202,20 +197,17 @@ class CompiledStep:
     parameters' names, shapes, strides, dtypes, devices, requires_grad and tying; a call that finds any of
     these changed raises ParameterMismatchError rather than run a graph made for other tensors.
 
-    `forward` is what aot_module_simplified returned; its `__wrapped__` takes the full list
-    (parameters, buffers, inputs). Should a torch version not expose it, the step keeps the
-    traced objects and refuses to run once any of them was replaced."""
+    `run` is AOTAutograd's runtime function (`aot_compile_joint`), taking one list: the parameters
+    and buffers, then the inputs; `step` the module it traced, whose parameters and buffers it lifted
+    in `_state_of`'s order."""
 
-    def __init__(self, forward: Callable, step: nn.Module):
-        self._forward = forward
+    def __init__(self, run: Callable, step: nn.Module):
+        self._run = run
         self._module = step
         self._names, tensors = _state_of(step)
         self._meta = [_describe(t) for t in tensors]
         self._ties = _ties(tensors)
-        self._traced = tensors
-        # only rebind if aot_module_simplified bound exactly what we would pass
-        self._raw = aot_raw_forward(forward, tensors)
-        allow_retained_backward(forward)  # retain_graph=True works as in eager
+        allow_retained_backward(run)  # retain_graph=True works as in eager
 
     def _name(self, i: int) -> str:
         return self._names[i].removeprefix("model.")
@@ -239,16 +231,10 @@ class CompiledStep:
             raise ParameterMismatchError(
                 f"{self._name(i)} is tied to other parameters differently than when traced (shared weights "
                 f"were split or joined); call remat.optimize again")
-        if self._raw is None and any(a is not b for a, b in zip(tensors, self._traced)):
-            i = next(i for i, (a, b) in enumerate(zip(tensors, self._traced)) if a is not b)
-            raise ParameterMismatchError(
-                f"{self._name(i)} was replaced by another tensor since remat.optimize traced the model, "
-                f"and this torch version's compiled step keeps the old one: call remat.optimize again")
         return tensors
 
     def __call__(self, *flat: torch.Tensor):
-        state = self.current_state()
-        outs = self._forward(*flat) if self._raw is None else self._raw([*state, *flat])
+        outs = self._run([*self.current_state(), *flat])
         guard_backward(outs)
         return outs
 
@@ -289,24 +275,76 @@ def _user_frame(exc: BaseException) -> str:
     return "<unknown source line>"
 
 
-def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
-                        partition_fn: Callable[..., Any],
-                        fused_attention: bool | str = True,
-                        graph_compilers: tuple[Callable, Callable] | None = None,
-                        chunked_loss: bool = False) -> tuple[Callable, FlatSignature]:
-    """Trace model(*args, **kwargs) + its backward. `partition_fn(joint_gm, joint_inputs,
-    num_fwd_outputs=...)` receives the joint graph and returns (forward_gm, backward_gm).
-    With `fused_attention` (True/"exact", "all" or False), attention the fused op can take is traced
-    as remat's flash-attention op (see remat.attention.router). With `chunked_loss`, a linear head
-    followed by cross-entropy is traced as remat's chunked loss op (see remat.loss_head.router).
-    `graph_compilers`: AOTAutograd's (forward, backward) compilers for the partitioned graphs
-    (default: run them as they are, boxed). Modules torch.compile wrapped are traced as the eager
-    modules they wrap (`set_stance("force_eager")`): the compiler must not run inside the trace.
-    Returns the compiled step (a CompiledStep taking the flat tensors) and the signature.
-    Raises `error` where the partition function raised PartitionFailed(error), OutputError for an
-    output no later call could return, and TraceError for anything else."""
-    from remat.graph_capture.autocast_state import (AutocastState, backward_traced_as_eager, guard_autocast,
-                                                    step_device_types)
+class CapturedStep:
+    """A training step `capture_training_step` traced: AOTAutograd's joint graph (`joint_gm`: primals
+    then tangents in; the `num_fwd_outputs` forward outputs, then one gradient per primal, out) and
+    the call's signature (`sig`). Valid inside the `with` only (AOTAutograd's contexts are open)."""
+
+    def __init__(self, joint, step: "_FlatStep", autocast, name: str):
+        self._joint = joint
+        self._step = step
+        self._autocast = autocast
+        self.name = name
+        self.sig = step.sig
+        self.joint_gm = joint_graph(joint)
+        out = next(n for n in reversed(self.joint_gm.graph.nodes) if n.op == "output")
+        primals = sum(1 for n in self.joint_gm.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+        self.num_fwd_outputs = len(out.args[0]) - primals
+        if self.num_fwd_outputs < 0:
+            raise TraceError(f"the joint graph of {name} has fewer outputs ({len(out.args[0])}) than primals ({primals})")
+        if joint_state_names(joint) != _state_of(step)[0]:
+            raise TraceError(f"AOTAutograd lifted the parameters and buffers of {name} in another order than "
+                             "remat passes them")
+
+    @staticmethod
+    def graph_work():
+        """The context the work on the joint graph runs in (rewrites, measured costs, the split):
+        grad and autocast off, as AOTAutograd runs a partition function."""
+        return as_partitioner_runs()
+
+    def compile(self, forward_gm: torch.fx.GraphModule, backward_gm: torch.fx.GraphModule,
+                graph_compilers: tuple[Callable, Callable] | None = None) -> Callable:
+        """The compiled step (a CompiledStep, guarded for autocast, taking the flat tensors) that
+        runs `forward_gm` and `backward_gm`, the joint graph split. `graph_compilers`: AOTAutograd's
+        (forward, backward) compilers for them (default: run them as they are, boxed)."""
+        joint, n_fwd = self.joint_gm, self.num_fwd_outputs
+        handed: list[bool] = []
+
+        def hand_over(joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
+            # the split was made for the captured graph: refuse to hand it over for any other
+            if joint_gm is not joint or num_fwd_outputs != n_fwd:
+                raise TraceError("AOTAutograd's joint graph changed between capture and compile "
+                                 f"({num_fwd_outputs} forward outputs, captured {n_fwd})")
+            handed.append(True)
+            return forward_gm, backward_gm
+
+        from remat.graph_capture.autocast_state import guard_autocast
+
+        fw_compiler, bw_compiler = graph_compilers or (run_boxed, run_boxed)
+        try:
+            run = aot_compile_joint(self._joint, hand_over, fw_compiler, bw_compiler)
+        except RematError:
+            raise
+        except Exception as e:
+            raise TraceError(f"could not compile the training step of {self.name}: {type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        if not handed:
+            raise TraceError(f"AOTAutograd compiled the step of {self.name} without asking for its split")
+        return guard_autocast(CompiledStep(run, self._step), self._autocast)
+
+
+@contextmanager
+def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str = True,
+                          chunked_loss: bool = False) -> Iterator[CapturedStep]:
+    """Trace model(*args, **kwargs) + its backward into AOTAutograd's joint graph (a CapturedStep,
+    valid inside the `with`). With `fused_attention` (True/"exact", "all" or False), attention the
+    fused op can take is traced as remat's flash-attention op (see remat.attention.router). With
+    `chunked_loss`, a linear head followed by cross-entropy is traced as remat's chunked loss op
+    (see remat.loss_head.router). Modules torch.compile wrapped are traced as the eager modules they
+    wrap (`set_stance("force_eager")`): the compiler must not run inside the trace.
+    Raises OutputError for an output no later call could return, and TraceError for any other
+    failure to trace; errors raised inside the `with` leave as they are."""
+    from remat.graph_capture.autocast_state import AutocastState, backward_traced_as_eager, step_device_types
     from remat.graph_capture.hf_compat import traced_as_compiled
     from remat.attention.router import fused_attention_mode, route_attention
     from remat.loss_head.router import route_loss_head
@@ -318,41 +356,34 @@ def trace_training_step(model: nn.Module, args: tuple, kwargs: dict | None,
     if not any(p.requires_grad for p in model.parameters()) and not any(t.requires_grad for t in flat):
         raise TraceError("nothing requires grad: there is no backward pass to plan")
     step = _FlatStep(model, sig)
-    partitioned = []
+    name = type(model).__name__
     tracing = Stage("tracing the training step (forward and backward)", None, "it")
-    try:
-        with record_module_spans(model) as spans, route_attention(fused_attention, model), \
-                route_loss_head(bool(chunked_loss)):
-            # the spans are complete once tracing is done, which is before AOTAutograd partitions
-            def partition_with_paths(joint_gm, joint_inputs, **kw):
-                annotate_module_paths(joint_gm, spans)
-                partitioned.append(True)
-                tracing.close()  # traced: the partition function reports its own stages
-                return partition_fn(joint_gm, joint_inputs, **kw)
-
-            # trace as torch.compile does, so that
-            # Hugging Face skips its data-dependent mask shortcuts (graph_capture/hf_compat.py); the
-            # step checks each call runs under the autocast it was traced in, the backward without any
-            autocast = AutocastState.current(step_device_types(model, flat))  # (autocast_state.py)
-            fw_compiler, bw_compiler = graph_compilers or (run_boxed, run_boxed)
-            with traced_as_compiled(), backward_traced_as_eager(), torch.compiler.set_stance("force_eager"):
-                compiled = guard_autocast(
-                    CompiledStep(aot_module_simplified(step, flat, fw_compiler=fw_compiler,
-                                                       bw_compiler=bw_compiler,
-                                                       partition_fn=partition_with_paths), step), autocast)
-    except (TraceError, OutputError):
-        raise
-    except PartitionFailed as e:  # the partition function's own error, not a tracing failure
-        raise e.error from None
-    except Exception as e:  # tracing failures surface from deep inside torch: name the culprit
-        raise TraceError(f"could not trace the training step of {type(model).__name__}: "
-                         f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
-                         f"  at {_user_frame(e)}") from e
-    finally:
-        tracing.close()
-    if sig.outputs is None:
-        raise TraceError("tracing did not run the model's forward")
-    if not partitioned:  # AOTAutograd traced it for inference: no output depends on a parameter
-        raise TraceError(f"no output of {type(model).__name__} requires grad (none depends on a parameter "
-                         f"or an input that requires grad): there is no backward pass to plan")
-    return compiled, sig
+    with ExitStack() as stack:
+        try:
+            spans = stack.enter_context(record_module_spans(model))
+            stack.enter_context(route_attention(fused_attention, model))
+            stack.enter_context(route_loss_head(bool(chunked_loss)))
+            # trace as torch.compile does, so that Hugging Face skips its data-dependent mask
+            # shortcuts (graph_capture/hf_compat.py); the step checks each call runs under the
+            # autocast it was traced in, the backward without any (autocast_state.py)
+            autocast = AutocastState.current(step_device_types(model, flat))
+            stack.enter_context(traced_as_compiled())
+            stack.enter_context(backward_traced_as_eager())
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+            joint = aot_export_joint(stack, step, flat)
+        except (TraceError, OutputError):
+            raise
+        except Exception as e:  # tracing failures surface from deep inside torch: name the culprit
+            raise TraceError(f"could not trace the training step of {name}: "
+                             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
+                             f"  at {_user_frame(e)}") from e
+        finally:
+            tracing.close()
+        if sig.outputs is None:
+            raise TraceError("tracing did not run the model's forward")
+        if not joint_needs_autograd(joint):  # traced for inference: no output depends on a parameter
+            raise TraceError(f"no output of {name} requires grad (none depends on a parameter "
+                             f"or an input that requires grad): there is no backward pass to plan")
+        captured = CapturedStep(joint, step, autocast, name)
+        annotate_module_paths(captured.joint_gm, spans)
+        yield captured

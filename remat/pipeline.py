@@ -9,9 +9,11 @@
 what a RematModule calls for every kind of call (shape, requires_grad pattern, mode) it has not seen
 (runtime/module.py); `remat.optimize` plans the example inputs with it.
 
-AOTAutograd only hands out the joint graph to a partition function, so `decide` and `lower` run
-inside one (`Planner`); errors there are remat's own (an infeasible budget, a saved plan for another
-graph) and leave the trace as they are.
+The three run as plain calls (`planned_step`): AOTAutograd traces the joint graph and stops
+(graph_capture/joint.py `capture_training_step`); the TrainingGraph is built from it and decided
+on; the joint graph is laid out by the plan; AOTAutograd then compiles the two graphs it is handed.
+Errors while deciding (an infeasible budget, a saved plan for another graph) are remat's own and
+leave as they are.
 
 **A call the module has not seen** (another batch size, sequence length, requires_grad pattern) is
 traced (the graph depends on it), then planned in the first of these ways that applies:
@@ -53,10 +55,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from remat.compat.torch_private import compiled_submodules, default_partition
+from remat.compat.torch_private import compiled_submodules
 from remat.core import progress
 from remat.graph_capture.build import JointGraphInfo, build_training_graph
-from remat.graph_capture.joint import PartitionFailed, trace_training_step
+from remat.graph_capture.joint import CapturedStep, capture_training_step
 from remat.graph_capture.op_timing import measured_cost_graph
 from remat.graph_capture.rewrites import prepare_joint_graph
 from remat.graph_capture.rng_replay import step_device_type
@@ -73,7 +75,7 @@ from remat.core.simulator import ScheduleError, simulate
 from remat.loss_head.router import chunked_loss_mode
 from remat.solving import solve, strategy_options
 
-__all__ = ["PlanOptions", "Planner", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
+__all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
            "REUSE_TIGHTNESS", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
 
 # A schedule planned for another call serves a new one when its peak there uses at least this share
@@ -122,43 +124,16 @@ class Decision:
         return plan
 
 
-def _joint_info(joint_gm, num_fwd_outputs: int, name: str) -> JointGraphInfo:
+def joint_info(captured: CapturedStep, cost_model: str = "flops") -> JointGraphInfo:
+    """The captured joint graph, rewritten (graph_capture/rewrites.py), with its TrainingGraph;
+    `cost_model` "measured": the graph's costs are the ops' measured times (op_timing.py). Run inside
+    `captured.graph_work()`."""
+    joint_gm = captured.joint_gm
     prepare_joint_graph(joint_gm, step_device_type(joint_gm))
-    return build_training_graph(joint_gm, num_fwd_outputs, name=name)
-
-
-class Planner:
-    """AOTAutograd's partition function for one trace: it builds the TrainingGraph from the joint
-    graph (`info`, `graph`) and, given `decide` (TrainingGraph -> Plan), splits the joint graph
-    into forward and backward by that plan (`plan`); without `decide` it splits it as AOTAutograd
-    would. `cost_model` "measured": the graph's costs are the ops' measured times (op_timing.py).
-    Errors while planning (a budget no plan fits, a saved plan for another graph, ...) are
-    remat's own: they leave the trace as they are (PartitionFailed), not as a TraceError."""
-
-    def __init__(self, name: str, decide: Callable[[TrainingGraph], Plan] | None = None,
-                 cost_model: str = "flops"):
-        self.name = name
-        self.decide = decide
-        self.cost_model = cost_model
-        self.info: JointGraphInfo | None = None
-        self.plan: Plan | None = None
-
-    @property
-    def graph(self) -> TrainingGraph:
-        assert self.info is not None, "the partition function was not called"
-        return self.info.graph
-
-    def __call__(self, joint_gm, joint_inputs, *, num_fwd_outputs: int, **kw):
-        try:
-            self.info = _joint_info(joint_gm, num_fwd_outputs, self.name)
-            if self.cost_model == "measured":  # same structure, costs in measured nanoseconds
-                self.info.graph = measured_cost_graph(self.info)
-            if self.decide is not None:
-                self.plan = self.decide(self.info.graph)
-                return partition_with_plan(self.info, self.plan)
-        except Exception as e:
-            raise PartitionFailed(e) from e
-        return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+    info = build_training_graph(joint_gm, captured.num_fwd_outputs, name=captured.name)
+    if cost_model == "measured":  # same structure, costs in measured nanoseconds
+        info.graph = measured_cost_graph(info)
+    return info
 
 
 # "auto" traces the chunked head beside a plan that fits only where the model's head holds a
@@ -205,20 +180,22 @@ def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptio
     graphs = PlannedGraphs()
     if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
         graphs.use_inductor()
-    planner = Planner(type(model).__name__, decision, cost_model=options.cost_model)
     t0 = time.perf_counter()
-    with progress.quiet(options.quiet):
-        step, sig = trace_training_step(model, args, kwargs, planner, options.fused_attention,
-                                        graph_compilers=graphs.compilers, chunked_loss=chunked)
+    with progress.quiet(options.quiet), capture_training_step(model, args, kwargs, options.fused_attention,
+                                                              chunked_loss=chunked) as captured:
+        with captured.graph_work():
+            info = joint_info(captured, options.cost_model)  # trace
+            plan = decision(info.graph)  # decide
+            forward_gm, backward_gm = partition_with_plan(info, plan)  # lower
+        step = captured.compile(forward_gm, backward_gm, graphs.compilers)
+    sig = captured.sig
     total = time.perf_counter() - t0
-    assert planner.plan is not None
-    head = loss_head_of(planner.graph)
-    planner.plan = dataclasses.replace(planner.plan, details={**planner.plan.details, "loss_head": head},
-                                       context={**planner.plan.context, "loss_head": head}
-                                       if planner.plan.context else planner.plan.context)
+    head = loss_head_of(info.graph)
+    plan = dataclasses.replace(plan, details={**plan.details, "loss_head": head},
+                               context={**plan.context, "loss_head": head} if plan.context else plan.context)
     record = PlanRecord(call=call, how=decision.how, trace_s=total - decision.seconds, plan_s=decision.seconds,
-                        predicted_peak_bytes=planner.plan.predicted_peak_bytes, budget_bytes=options.budget_bytes)
-    return PlannedStep(step, sig, planner.plan, planner.graph, graphs, record)
+                        predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=options.budget_bytes)
+    return PlannedStep(step, sig, plan, info.graph, graphs, record)
 
 
 def _reused(graph: TrainingGraph, budget: int, options: PlanOptions,
@@ -382,12 +359,12 @@ class StepPlanner:
 
 def trace_graph(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str = True,
                 cost_model: str = "flops", quiet: bool = False, chunked_loss: bool = False) -> TrainingGraph:
-    """The TrainingGraph of one call's training step, traced and split as AOTAutograd would (no
-    plan); with `chunked_loss`, its loss head traced as the chunked op where the router can."""
-    planner = Planner(type(model).__name__, cost_model=cost_model)
-    with progress.quiet(quiet):
-        trace_training_step(model, args, kwargs, planner, fused_attention, chunked_loss=chunked_loss)
-    return planner.graph
+    """The TrainingGraph of one call's training step (nothing compiled); with `chunked_loss`, its
+    loss head traced as the chunked op where the router can."""
+    with progress.quiet(quiet), capture_training_step(model, args, kwargs, fused_attention,
+                                                      chunked_loss=chunked_loss) as captured:
+        with captured.graph_work():
+            return joint_info(captured, cost_model).graph
 
 
 def deployed_module(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, plan: Plan | None = None,

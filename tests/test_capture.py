@@ -178,3 +178,36 @@ def test_nothing_requires_grad_is_an_error():
         assert "requires grad" in str(e)
     else:
         raise AssertionError("expected TraceError")
+
+
+def test_the_pipeline_stages_run_as_plain_calls():
+    """Capture, decide and lower are plain calls between AOTAutograd's two stages (remat/pipeline.py):
+    a plan that recomputes, made outside any callback, compiled and run, gives eager's loss and
+    gradients (inputs that require grad included)."""
+    from remat.core.simulator import simulate
+    from remat.graph_capture.joint import capture_training_step
+    from remat.pipeline import joint_info
+    from remat.runtime.partition import partition_with_plan
+    from remat.solver import get_solver
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)], nn.Linear(32, 1))
+    x = torch.randn(64, 32, requires_grad=True)
+    with capture_training_step(model, (x,), None) as captured:
+        with captured.graph_work():
+            info = joint_info(captured)
+            keep = get_solver("keep_all")(info.graph, None).predicted_peak_bytes
+            plan = get_solver("equal_spacing")(info.graph, int(0.9 * keep))
+            assert plan.fits and simulate(info.graph, plan.schedule).recomputations > 0
+            forward_gm, backward_gm = partition_with_plan(info, plan)
+        step = captured.compile(forward_gm, backward_gm)
+    xr = x.detach().clone().requires_grad_()
+    out = captured.sig.rebuild_outputs(step(*captured.sig.flatten((xr,), {})))
+    out.pow(2).mean().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = model(x)
+    ref.pow(2).mean().backward()
+    assert torch.equal(out, ref) and torch.allclose(xr.grad, x.grad, rtol=1e-5, atol=1e-7)
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-5, atol=1e-7), n

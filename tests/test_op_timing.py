@@ -9,9 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
-from remat.pipeline import Planner
+from remat.pipeline import joint_info
 from remat.graph_capture import op_timing
-from remat.graph_capture.joint import trace_training_step
+from remat.graph_capture.joint import capture_training_step
 from remat.graph_capture.op_timing import (MIN_COST_NS, measured_cost_graph, recomputation_form, shared_signature,
                                            time_ops)
 from remat.report import reference_step
@@ -43,9 +43,8 @@ def _net():
 
 
 def _joint_info(model, inputs):
-    planner = Planner(type(model).__name__)
-    trace_training_step(model, inputs, None, planner)
-    return planner.info
+    with capture_training_step(model, inputs, None) as captured, captured.graph_work():
+        return joint_info(captured)
 
 
 def _same_structure(a, b):

@@ -109,7 +109,7 @@ def test_backward_without_autocast_is_a_config_patch():
 
 
 class _Tuple(nn.Module):
-    """aot_module_simplified takes modules that return tuples."""
+    """AOTAutograd's two stages take modules that return tuples."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -119,22 +119,52 @@ class _Tuple(nn.Module):
         return (self.inner(x),)
 
 
-def _aot(model, x, compiler):
-    return tp.aot_module_simplified(model, (x,), fw_compiler=compiler, bw_compiler=compiler,
-                                    partition_fn=tp.default_partition)
+def _aot(model, x, compiler, partition=None):
+    """AOTAutograd's runtime function of `model(x)` (parameters, buffers, then x in one list)."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        joint = tp.aot_export_joint(stack, model, [x])
+        return tp.aot_compile_joint(joint, partition or tp.default_partition, compiler, compiler)
 
 
-def test_aot_module_simplified_and_its_raw_forward_take_new_parameters():
+def test_aot_two_stages_give_the_joint_graph_and_run_with_passed_parameters():
+    import contextlib
+
     torch.manual_seed(0)
-    model, x = _Tuple(nn.Linear(3, 2)), torch.randn(4, 3)
-    fwd = _aot(model, x, lambda gm, ex: make_boxed_func(gm))
+    model, x = _Tuple(nn.Linear(3, 2)), torch.randn(4, 3, requires_grad=True)
+    with contextlib.ExitStack() as stack:
+        joint = tp.aot_export_joint(stack, model, [x])
+        assert tp.joint_needs_autograd(joint), _fail("joint_needs_autograd", "a step with a backward says none")
+        assert tp.joint_state_names(joint) == ["inner.weight", "inner.bias"], _fail(
+            "joint_state_names", str(tp.joint_state_names(joint)))
+        gm = tp.joint_graph(joint)
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        assert placeholders == ["primals_1", "primals_2", "primals_3", "tangents_1"], _fail("joint_graph", str(placeholders))
+        handed = []
+
+        def partition(joint_gm, inputs, **kw):
+            handed.append(joint_gm is gm)
+            return tp.default_partition(joint_gm, inputs, **kw)
+
+        run = tp.aot_compile_joint(joint, partition, lambda g, ex: make_boxed_func(g), lambda g, ex: make_boxed_func(g))
+    assert handed == [True], _fail("aot_compile_joint", "the partition function did not get the exported joint graph")
     params = list(model.parameters())
-    raw = tp.aot_raw_forward(fwd, params)
-    assert raw is not None, _fail("aot_raw_forward", "no __wrapped__ with params_buffers_flat in the closure")
     new = [torch.zeros_like(p).requires_grad_() for p in params]
-    out = raw([*new, x])[0]
-    assert torch.equal(out, torch.zeros(4, 2)), _fail("aot_raw_forward", "the passed parameters were not used")
-    assert tp.aot_raw_forward(fwd, [torch.ones(1)] * len(params)) is None  # bound other tensors: refused
+    out = run([*new, x])[0]
+    assert torch.equal(out, torch.zeros(4, 2)), _fail("aot_compile_joint", "the passed parameters were not used")
+    out.sum().backward()
+    assert torch.equal(new[1].grad, torch.full((2,), 4.0)), _fail("aot_compile_joint", "wrong gradient")
+    with contextlib.ExitStack() as stack:  # nothing requires grad: AOTAutograd traces no backward
+        frozen = _Tuple(nn.Linear(3, 2)).requires_grad_(False)
+        assert not tp.joint_needs_autograd(tp.aot_export_joint(stack, frozen, [torch.randn(4, 3)]))
+
+
+def test_as_partitioner_runs_turns_grad_and_autocast_off():
+    with torch.autocast("cpu", dtype=torch.bfloat16), tp.as_partitioner_runs():
+        assert not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"), _fail(
+            "as_partitioner_runs", "grad or autocast still on")
+    assert torch.is_grad_enabled()
 
 
 def test_default_partition_and_extract_fwd_bwd_modules_split_a_joint_graph():
@@ -150,8 +180,8 @@ def test_default_partition_and_extract_fwd_bwd_modules_split_a_joint_graph():
         return fw, bw
 
     model, x = _Tuple(nn.Sequential(nn.Linear(3, 3), nn.Tanh())), torch.randn(2, 3)
-    fwd = tp.aot_module_simplified(model, (x,), fw_compiler=lambda gm, ex: make_boxed_func(gm), partition_fn=partition)
-    fwd(x)[0].sum().backward()
+    run = _aot(model, x, lambda gm, ex: make_boxed_func(gm), partition)
+    run([*model.parameters(), x])[0].sum().backward()
     assert seen.get("n") == 1 and seen.get("same"), _fail("default_partition/extract_fwd_bwd_modules", str(seen))
 
 
@@ -173,7 +203,8 @@ def test_input_mutation_outputs_are_told_apart():
         return make_boxed_func(gm)
 
     x = torch.randn(2, requires_grad=True)
-    _aot(Mut(), x, compiler)(x)
+    mut = Mut()
+    _aot(mut, x, compiler)([*mut.buffers(), x])
     flags = [tp.is_input_mutation_output(d) for d in descs]
     assert None not in flags, _fail("is_input_mutation_output", "no output descriptors in this torch")
     assert flags.count(True) == 1, _fail("is_input_mutation_output", f"flags {flags} for {descs}")
