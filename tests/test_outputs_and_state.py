@@ -230,17 +230,20 @@ def test_replaced_buffers_are_the_ones_updated():
     _grads_match(ref, model)
 
 
-def test_without_rebinding_a_replaced_parameter_is_refused():
-    """Should torch's compiled step not let remat pass the parameters, it keeps the traced ones:
-    then a replaced parameter must stop the step, not be silently left untrained."""
+def test_the_compiled_step_is_handed_the_parameters_the_model_has_at_each_call():
+    """AOTAutograd's runtime function takes the parameters with the inputs: the step passes the
+    ones the model holds at that call (a replaced one, not the traced one), then the inputs."""
     from remat.graph_capture.joint import CompiledStep
 
     model = nn.Linear(2, 2)
-    step = CompiledStep(lambda *flat: flat, nn.ModuleDict({"model": model}))
-    assert step._raw is None and step(torch.ones(1)) == (torch.ones(1),)
-    model.weight = nn.Parameter(torch.zeros(2, 2))
-    with pytest.raises(ParameterMismatchError, match="weight was replaced"):
-        step(torch.ones(1))
+    seen = []
+    step = CompiledStep(lambda full: seen.append(list(full)) or [torch.ones(1)], nn.ModuleDict({"model": model}))
+    x = torch.ones(1)
+    step(x)
+    new = nn.Parameter(torch.zeros(2, 2))
+    model.weight = new
+    step(x)
+    assert seen[0][0] is not new and seen[1][0] is new and seen[1][1] is model.bias and seen[1][2] is x
 
 
 def test_parameters_the_step_cannot_run_are_refused():
