@@ -254,6 +254,12 @@ def run_boxed(gm: torch.fx.GraphModule, example_inputs):
     return run
 
 
+def _what_failed(exc: BaseException) -> str:
+    """The error's type and the first line of its message (torch's run to many lines)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch and remat's own machinery: the user's line."""
     import os
@@ -326,8 +332,7 @@ class CapturedStep:
         except RematError:
             raise
         except Exception as e:
-            raise TraceError(f"could not compile the training step of {self.name}: {type(e).__name__}: "
-                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+            raise TraceError(f"could not compile the training step of {self.name}: {_what_failed(e)}") from e
         if not handed:
             raise TraceError(f"AOTAutograd compiled the step of {self.name} without asking for its split")
         return guard_autocast(CompiledStep(run, self._step), self._autocast)
@@ -374,8 +379,7 @@ def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fu
         except (TraceError, OutputError):
             raise
         except Exception as e:  # tracing failures surface from deep inside torch: name the culprit
-            raise TraceError(f"could not trace the training step of {name}: "
-                             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
+            raise TraceError(f"could not trace the training step of {name}: {_what_failed(e)}\n"
                              f"  at {_user_frame(e)}") from e
         finally:
             tracing.close()
