@@ -18,12 +18,15 @@ reader if that is later. These make the prediction equal the measured CPU peak t
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from dataclasses import dataclass
 
 from remat.core.errors import RematError
 from remat.core.training_graph import TrainingGraph
 
-__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "unread_steps", "forward_end", "parts_read"]
+__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "unread_steps", "dead_steps", "forward_end",
+           "parts_read"]
 
 
 class ScheduleError(RematError, ValueError):
@@ -158,6 +161,50 @@ def unread_steps(graph: TrainingGraph, schedule: list[str]) -> list[int]:
         if freed_own == n_own:
             out.append(s)
     return out
+
+
+def dead_steps(graph: TrainingGraph, schedule: list[str]) -> set[int]:
+    """The steps that removing unread instances round by round removes: each round takes the
+    `unread_steps`, in order, while another instance of the same node remains, and removing them can
+    leave the instances they read unread for the next round. Computed in one pass over the reads
+    (which instance each step reads does not change: a removed instance had no reader), then round
+    by round only over the instances whose last reader a round removed."""
+    tab, nodes = _tables(graph), graph.nodes
+    steps = _steps(graph, schedule)
+    key_node, per_node = tab.key_node, tab.per_node
+    latest: dict[int, int] = {}  # node -> its latest step so far
+    sources: list[list[int]] = []  # per step: the step of each instance it reads (one entry per key read)
+    readers = [0] * len(steps)  # per step: reads of its instance's parts by later steps
+    for s, v in enumerate(steps):
+        src = []
+        for key in per_node[v][0]:
+            t = latest.get(key_node[key])
+            if t is not None:
+                src.append(t)
+                readers[t] += 1
+        sources.append(src)
+        latest[v] = s
+    count = Counter(steps)
+    kept = [bool(v.kept_bytes) for v in nodes]
+    dead: set[int] = set()
+    unread = [s for s, v in enumerate(steps) if not readers[s] and not kept[v]]
+    while unread:
+        removed = []
+        for s in unread:
+            v = steps[s]
+            if count[v] > 1:
+                count[v] -= 1
+                removed.append(s)
+        dead.update(removed)
+        freed = set()
+        for s in removed:
+            for t in sources[s]:
+                readers[t] -= 1
+                if not readers[t] and t not in dead and not kept[steps[t]]:
+                    freed.add(t)
+        # an unread instance left standing was its node's only one, and stays so
+        unread = sorted(freed)
+    return dead
 
 
 def forward_end(graph: TrainingGraph, schedule: list[str]) -> int | None:

@@ -9,10 +9,8 @@ prune recomputations nothing reads. Cost can only go down; the peak stays within
 """
 from __future__ import annotations
 
-from collections import Counter
-
 from remat.core.training_graph import TrainingGraph
-from remat.core.simulator import simulate, unread_steps
+from remat.core.simulator import dead_steps, simulate
 
 __all__ = ["prune_unread", "drop_recomputations"]
 
@@ -25,17 +23,8 @@ def prune_unread(graph: TrainingGraph, schedule: list[str]) -> list[str]:
     in stage t even when it is recomputed before anyone reads it; the min-peak MILP, which does not
     price compute, leaves many such), and so does a last one nothing reads. The one pruning used
     everywhere: solver/checkmate/milp_stages.py on the MILP's schedules, and drop_recomputations here."""
-    sched = list(schedule)
-    while True:
-        count = Counter(sched)
-        dead = set()
-        for s in unread_steps(graph, sched):
-            if count[sched[s]] > 1:
-                dead.add(s)
-                count[sched[s]] -= 1
-        if not dead:
-            return sched
-        sched = [n for s, n in enumerate(sched) if s not in dead]
+    dead = dead_steps(graph, schedule)  # the round-by-round removals, in one pass
+    return [name for s, name in enumerate(schedule) if s not in dead]
 
 
 def drop_recomputations(graph: TrainingGraph, schedule: list[str], budget_bytes: int,

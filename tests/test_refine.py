@@ -1,9 +1,10 @@
 import random
+from collections import Counter
 
 from remat.solver import checkmate, equal_spacing
 from remat.solver.refine import drop_recomputations, prune_unread
 from remat.solver.schedule import keep_all_schedule
-from remat.core.simulator import simulate
+from remat.core.simulator import simulate, unread_steps
 from tests.conftest import training_chain, transformer_like
 
 
@@ -60,3 +61,37 @@ def test_checkmate_plans_hold_no_unread_recomputation():
     assert low.extra_cost == simulate(g, prune_unread(g, low.schedule)).extra_cost
     below = checkmate.solve(g, low.predicted_peak_bytes - 1, coarsen_to=12)
     assert below.status == "infeasible" and below.schedule == prune_unread(g, below.schedule)
+
+
+def _prune_round_by_round(g, schedule):
+    """The definition prune_unread computes in one pass: remove the unread instances (while another
+    instance of the node remains), then again on what is left, until nothing goes. Returns the
+    schedule left and how many rounds removed something."""
+    sched, rounds = list(schedule), 0
+    while True:
+        count, dead = Counter(sched), set()
+        for s in unread_steps(g, sched):
+            if count[sched[s]] > 1:
+                dead.add(s)
+                count[sched[s]] -= 1
+        if not dead:
+            return sched, rounds
+        sched, rounds = [n for s, n in enumerate(sched) if s not in dead], rounds + 1
+
+
+def test_prune_in_one_pass_is_the_round_by_round_removal():
+    """Chains of recomputations nothing reads in the end (an instance read only by an unread one)
+    go in rounds; the one-pass pruning removes exactly what the rounds remove."""
+    rng = random.Random(3)
+    several_rounds = 0
+    for g in (transformer_like(3, seed=2), training_chain(8, seed=5)):
+        base = keep_all_schedule(g)
+        for _ in range(60):
+            s = list(base)
+            for _ in range(rng.randint(1, 40)):  # copies of nodes already computed, anywhere later
+                pos = rng.randrange(1, len(s))
+                s.insert(pos, rng.choice(s[:pos]))
+            want, rounds = _prune_round_by_round(g, s)
+            assert prune_unread(g, s) == want
+            several_rounds += rounds > 1
+    assert several_rounds > 10  # the case where the rounds matter was exercised
