@@ -12,6 +12,17 @@ import remat.compiled_fit as compiled_fit
 from remat.models import build_unet, unet_inputs
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Inductor's CPU kernels (and so the compiled peaks these cases are built on) depend on the
+    thread count: one thread, as each worker has under the README's `-n auto` on 2 cores, also
+    when a test runs alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _unet_case():
     """A small U-Net (BatchNorm, dropout, skips) whose compiled step at 65% of keep_all's peak
     peaks above its budget on torch 2.13's Inductor (CPU, one thread a worker as under the README's
