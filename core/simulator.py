@@ -19,7 +19,6 @@ reader if that is later. These make the prediction equal the measured CPU peak t
 from __future__ import annotations
 
 from collections import Counter
-
 from dataclasses import dataclass
 
 from remat.core.errors import RematError
