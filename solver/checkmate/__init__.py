@@ -13,7 +13,7 @@ lower bound on what any plan must recompute.
      otherwise the certified search on the fine graph (certified_search.py): a relaxation of the
      problem (relaxation.py, relaxation_rows.py, solved on HiGHS by sparse_lp.py) whose LP is
      branched on (branch_and_bound.py), each LP solution turned into plans (guided.py,
-     keep_more.py), until the best plan is within `mip_gap` of the bound (bounds.py) or a
+     exchange.py), until the best plan is within `mip_gap` of the bound (bounds.py) or a
      deterministic work limit is spent; the bound is the larger of the two;
   3. choose (choose.py): the cheapest plan that fits, or the lowest-peak fallback;
   4. plan: plan.lower_bound (proven: no schedule whose first computations follow the graph's

@@ -120,7 +120,7 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         attempts["n"] += 1
         if search:
             searched.append(np.array(x, copy=True))
-        found = best_guided(graph, rel, x, budget, search=search)
+        found = best_guided(graph, rel, x, budget, search=search, improve=search)
         if found is not None:
             sched, record = found
             cost = simulate(graph, sched).extra_cost

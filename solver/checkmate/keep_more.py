@@ -11,27 +11,9 @@ from __future__ import annotations
 
 from remat.core.training_graph import TrainingGraph
 from remat.core.simulator import simulate
+from remat.solver.checkmate.exchange import chain_costs
 
 __all__ = ["keep_more"]
-
-
-def _chain_costs(graph: TrainingGraph, sched: list[str]) -> dict[int, float]:
-    """Per recomputed value: its recomputations' cost plus that of the recomputed values it
-    reads in the same run of recomputations (what keeping it would save at most)."""
-    idx, nodes = graph.index, graph.nodes
-    seen: set[int] = set()
-    out: dict[int, float] = {}
-    burst: dict[int, float] = {}  # recomputed in the current run -> its chain cost
-    for name in sched:
-        v = idx[name]
-        if v not in seen:
-            seen.add(v)
-            burst = {}
-            continue
-        c = nodes[v].cost + sum(burst.get(idx[i], 0.0) for i in nodes[v].inputs)
-        burst[v] = c
-        out[v] = out.get(v, 0.0) + c
-    return out
 
 
 def keep_more(graph: TrainingGraph, drops: list[set[int]], budget: int, build, refit, max_trials: int = 60):
@@ -47,7 +29,7 @@ def keep_more(graph: TrainingGraph, drops: list[set[int]], budget: int, build, r
     tried: set[int] = set()
     for _ in range(max_trials):
         dropped = {u for d in drops for u in d}
-        chains = _chain_costs(graph, sched)
+        chains = chain_costs(graph, sched)
         cands = sorted((c, u) for u, c in chains.items() if u in dropped and u not in tried)
         if not cands:
             break
