@@ -23,7 +23,7 @@ from remat.core.progress import stage
 from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.bounds import point_of_schedule, safe_bound
 from remat.solver.checkmate.branch_and_bound import certify
-from remat.solver.checkmate.guided import best_guided
+from remat.solver.checkmate.guided import best_guided, exchanged_plan
 from remat.solver.checkmate.relaxation import Relaxation
 from remat.core.simulator import simulate
 
@@ -116,18 +116,27 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
             return best[1] / cs
         search = attempts["n"] == 0 or force
         if search and any(np.array_equal(x, y) for y in searched):  # the root's solution again, where
-            return best[1] / cs  # the branch and bound stopped at the root (T5): its plans are known
+            # the branch and bound stopped at the root (T5): its plans are known, but for the exchanged one
+            if force:
+                offer(exchanged_plan(graph, rel, x, budget), {"lp_value": value * cs, "exchanged": True})
+            return best[1] / cs
         attempts["n"] += 1
         if search:
             searched.append(np.array(x, copy=True))
-        found = best_guided(graph, rel, x, budget, search=search, improve=search)
+        # the last reads (force) also improve a plan by the exchange search: the plan the search
+        # ends with (on ResNet-50 the root's, improved, costs 3.68% extra; the last one's 3.565%)
+        found = best_guided(graph, rel, x, budget, search=search, improve=force)
         if found is not None:
-            sched, record = found
-            cost = simulate(graph, sched).extra_cost
-            plans_log.append({"lp_value": value * cs, "thresholds": record})
-            if cost < best[1]:
-                best[:] = [sched, cost, "relaxation"]
+            offer(found[0], {"lp_value": value * cs, "thresholds": found[1]})
         return best[1] / cs
+
+    def offer(sched, record) -> None:
+        if sched is None:
+            return
+        plans_log.append(record)
+        cost = simulate(graph, sched).extra_cost
+        if cost < best[1]:
+            best[:] = [sched, cost, "relaxation"]
 
     left = None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
     if max_iterations is None:

@@ -6,8 +6,8 @@ after every row where the relaxation keeps it live below a threshold, and any in
 live recomputed (recursively) right before the step that reads it. LP solutions are fractional, so
 several thresholds give several plans. `fit` drops more values where the simulated peak is over
 the budget (the cheapest per byte first), the exchange search (solver/checkmate/exchange.py)
-improves one of them where the certified search asks, and `best_guided` refines the cheapest
-plans (solver/refine.py) and keeps the best.
+improves one of them where the certified search asks (`exchanged_plan`), and `best_guided`
+refines the cheapest plans (solver/refine.py) and keeps the best.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from remat.solver.checkmate.relaxation import SAFETY, Relaxation
 from remat.solver.checkmate.sparse_lp import HotLP, Solution
 from remat.core.simulator import simulate
 
-__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "best_guided", "lowest_peak_search", "BudgetProbe", "descend", "THRESHOLDS", "REFINED",
+__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "exchanged_plan", "best_guided", "lowest_peak_search", "BudgetProbe", "descend", "THRESHOLDS", "REFINED",
            "PROBE_MAX_VARIABLES"]
 
 THRESHOLDS = (0.9, 0.5)
@@ -198,21 +198,29 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
     return None
 
 
+def exchanged_plan(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: int,
+                   threshold: float = THRESHOLDS[0]) -> list[str] | None:
+    """The plan of drops_at(x, threshold) made to fit (`fit`), improved by the exchange search
+    (solver/checkmate/exchange.py) and refined; None where it cannot be made to fit. The exchange
+    starts from the first threshold's plan: the lower thresholds', improved, were no better on the
+    captured models of benchmarks/certificates.py, at 0.5-1.4 s each on 500-750 nodes."""
+    got = fit(graph, drops_at(rel, x, threshold), budget, with_drops=True)
+    if got is None:
+        return None
+    _, sched = exchange(graph, got[0], budget, lambda d: schedule_from_live(graph, d))
+    return drop_recomputations(graph, sched, budget)
+
+
 def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: int,
                 thresholds=THRESHOLDS, search: bool = True, improve: bool = False) -> tuple[list[str], dict] | None:
     """The cheapest refined plan over the thresholds (each made to fit first), with a record of
     what each gave before refining; None when none could be made to fit. search: also the
     schedules of threshold_search (the slower part: the caller asks for it on its first and last
-    solutions). improve: also the first threshold's plan (without R) improved by the exchange
-    search ("0.9X"; the lower thresholds' plans, improved, gave plans no better on the captured
-    models of benchmarks/certificates.py, at 0.5 s each on 600 nodes). The certified search asks
-    for it where it searches; the lowest-peak search, which reads plans to find one that fits,
-    does not. Only the REFINED cheapest distinct schedules are refined, and apart from them the
-    REFINED cheapest exchanged ones: refining is most of the time here (seven candidates per
-    solution), and it seldom reorders them, but the exchanged schedules, cheap before refining,
-    would push out the others, which can refine further (T5: 6.51% against 6.67% extra).
+    solutions). improve: also `exchanged_plan` (the caller asks for it on its last solutions).
+    Only the REFINED cheapest distinct schedules are refined: refining is most of the time here
+    (seven candidates per solution), and it seldom reorders them.
     """
-    record, cands, exchanged = {}, {}, {}
+    record, cands = {}, {}
     for with_r, sticky in ((True, False), (False, False), (False, True)) if search else ():
         sched = threshold_search(graph, rel, x, budget, with_r, sticky=sticky)
         if sched is not None:
@@ -226,22 +234,20 @@ def best_guided(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: in
         if key in seen:
             continue
         seen.add(key)
-        got = fit(graph, drops, budget, before=before, with_drops=True)
-        sched = None if got is None else got[1]
+        sched = fit(graph, drops, budget, before=before)
         label = f"{th}{'R' if with_r else ''}"
         record[label] = None if sched is None else simulate(graph, sched).extra_cost
         if sched is not None:
             cands.setdefault(tuple(sched), record[label])
-        if sched is not None and improve and not with_r and th == thresholds[0]:
-            _, sched = exchange(graph, got[0], budget, lambda d: schedule_from_live(graph, d))
-            record[label + "X"] = simulate(graph, sched).extra_cost
-            exchanged.setdefault(tuple(sched), record[label + "X"])
     best = None
-    chosen = sorted(cands.items(), key=lambda kv: kv[1])[:REFINED]
-    chosen += [kv for kv in sorted(exchanged.items(), key=lambda kv: kv[1])[:REFINED] if kv[0] not in dict(chosen)]
-    for sched, _ in chosen:
+    for sched, _ in sorted(cands.items(), key=lambda kv: kv[1])[:REFINED]:
         sched = drop_recomputations(graph, list(sched), budget)
         cost = simulate(graph, sched).extra_cost
+        if best is None or cost < best[1]:
+            best = (sched, cost)
+    sched = exchanged_plan(graph, rel, x, budget, thresholds[0]) if improve else None
+    if sched is not None:  # refined already: compared after refining, as the others
+        cost = record["exchanged"] = simulate(graph, sched).extra_cost
         if best is None or cost < best[1]:
             best = (sched, cost)
     if best is not None:
