@@ -22,6 +22,7 @@ import time
 import weakref
 from dataclasses import replace
 
+from remat.core.full_collections import rare_full_collections
 from remat.core.training_graph import TrainingGraph
 from remat.solver import equal_spacing
 from remat.solver.checkmate.backends import Limits, default_backend
@@ -141,6 +142,7 @@ def _relieved(graph: TrainingGraph, peak: int, source: str, plan: Plan) -> tuple
     return better.predicted_peak_bytes, source, better
 
 
+@rare_full_collections()  # see core/full_collections.py
 def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",
                         max_nodes: int | None = None,
                         time_limit_s: float | None = None, coarsen_to: int | None = DEFAULT_COARSEN_TO,

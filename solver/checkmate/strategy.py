@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+from remat.core.full_collections import rare_full_collections
 from remat.core.plan import Plan, PlanStatus, plan_from_schedule
 from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.candidates import Candidates, equal_spacing_record, gather, heuristics, refine
@@ -55,6 +56,7 @@ class Options(MilpOptions):
         return {k: getattr(self, k) for k in ("backend", "max_nodes", "time_limit_s", "coarsen_to", "threads", "mip_gap")}
 
 
+@rare_full_collections()  # a solve allocates by the million: full collections cost it seconds
 def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
           max_nodes: int | None = None, time_limit_s: float | None = None,
           coarsen_to: int | None = DEFAULT_COARSEN_TO, warm_start: bool = True,
