@@ -3,8 +3,10 @@
 baseline), on the models of benchmarks/compare.py and small Hugging
 Face configs (BERT, GPT-2, T5, ViT, Llama, Gemma-2, GPT-NeoX, Qwen2) and torchvision's ResNet-50,
 DenseNet-121 and Swin-T (benchmarks/vision_models.py, batch 8 at 224 px); with --more, further
-Hugging Face models no other benchmark or test plans (Mistral, Phi, OPT, BART, RoBERTa, DistilBERT;
-ConvNeXt, ResNet-18, MobileNetV2, RegNet, DeiT at 64 px), to check the solver off the models it was tuned on.
+Hugging Face models no other benchmark or test plans (Mistral, Phi, OPT, BART, RoBERTa, DistilBERT, GPT-Neo,
+Falcon, BLOOM, GPT-J, StableLM, Gemma, StarCoder2, ELECTRA, ALBERT, DeBERTa-v2; ConvNeXt, ResNet-18, MobileNetV2,
+RegNet, DeiT, Swin, EfficientNet-B0, MobileViT, BEiT, SegFormer at 64 px: benchmarks/more_models.py), to check
+the solver off the models it was tuned on.
 
 Budget: resident bytes (parameters, gradients, kept outputs) plus half of what keep_all holds
 above them. Per model and checkout, in its own process on a saved graph: extra cost (% of the

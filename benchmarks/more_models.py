@@ -12,8 +12,10 @@ import torch
 
 __all__ = ["more_model", "MORE_MODELS", "TEXT_MODELS", "VISION_MODELS"]
 
-TEXT_MODELS = ("mistral", "phi", "opt", "bart", "roberta", "distilbert")
-VISION_MODELS = ("convnext", "hf_resnet18", "mobilenet_v2", "regnet", "deit")
+TEXT_MODELS = ("mistral", "phi", "opt", "bart", "roberta", "distilbert",
+               "gpt_neo", "falcon", "bloom", "gptj", "stablelm", "gemma", "starcoder2", "electra", "albert", "deberta_v2")
+VISION_MODELS = ("convnext", "hf_resnet18", "mobilenet_v2", "regnet", "deit",
+                 "swin", "efficientnet", "mobilevit", "beit", "segformer")
 MORE_MODELS = TEXT_MODELS + VISION_MODELS
 BATCH, SEQ, VOCAB, WIDTH = 8, 128, 128, 128
 
@@ -56,7 +58,40 @@ def _text(name: str):
                                   max_position_embeddings=SEQ)
         return tf.DistilBertForSequenceClassification(cfg), dict(input_ids=ids, attention_mask=mask,
                                                                  labels=torch.randint(0, 2, (BATCH,), generator=g))
-    raise ValueError(name)
+    return _more_text(name, common, lm)
+
+
+def _more_text(name: str, common: dict, lm: dict):
+    """The second set: decoders with local attention (GPT-Neo), ALiBi (BLOOM), parallel blocks
+    (Falcon, GPT-J), partial rotary (StableLM), multi-query (Gemma); encoders with factorised
+    embeddings (ELECTRA), one layer's weights shared by all (ALBERT), disentangled attention
+    (DeBERTa-v2)."""
+    import transformers as tf
+
+    mlm = dict(input_ids=lm["input_ids"], attention_mask=lm["attention_mask"], labels=lm["input_ids"])
+    encoder = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=4, num_attention_heads=4,
+                   intermediate_size=2 * WIDTH, max_position_embeddings=SEQ)
+    build = {
+        "gpt_neo": lambda: tf.GPTNeoForCausalLM(tf.GPTNeoConfig(
+            vocab_size=VOCAB, hidden_size=WIDTH, num_layers=4, num_heads=4, attention_types=[[["global", "local"], 2]],
+            window_size=32, max_position_embeddings=SEQ)),
+        "falcon": lambda: tf.FalconForCausalLM(tf.FalconConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=4,
+                                                               num_attention_heads=4)),
+        "bloom": lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=WIDTH, n_layer=4, n_head=4)),
+        "gptj": lambda: tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=VOCAB, n_embd=WIDTH, n_layer=4, n_head=4, rotary_dim=16,
+                                                         n_positions=SEQ)),
+        "stablelm": lambda: tf.StableLmForCausalLM(tf.StableLmConfig(num_hidden_layers=4, num_key_value_heads=2, **common)),
+        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(num_hidden_layers=4, num_key_value_heads=1, head_dim=32,
+                                                           **common)),
+        "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(num_hidden_layers=4, num_key_value_heads=2,
+                                                                           **common)),
+        "electra": lambda: tf.ElectraForMaskedLM(tf.ElectraConfig(embedding_size=64, **encoder)),
+        "albert": lambda: tf.AlbertForMaskedLM(tf.AlbertConfig(embedding_size=64, **encoder)),
+        "deberta_v2": lambda: tf.DebertaV2ForMaskedLM(tf.DebertaV2Config(**encoder)),
+    }
+    if name not in build:
+        raise ValueError(name)
+    return build[name](), (mlm if name in ("electra", "albert", "deberta_v2") else lm)
 
 
 def _vision(name: str):
@@ -79,6 +114,25 @@ def _vision(name: str):
         cfg = tf.DeiTConfig(image_size=64, patch_size=8, hidden_size=WIDTH, num_hidden_layers=4, num_attention_heads=4,
                             intermediate_size=2 * WIDTH, num_labels=10)
         return tf.DeiTForImageClassification(cfg), batch
+    # the second set: shifted windows (Swin), depthwise blocks with squeeze-excitation (EfficientNet-B0),
+    # convolutions and attention mixed (MobileViT), relative position bias per layer (BEiT), a
+    # hierarchical transformer (SegFormer)
+    if name == "swin":
+        cfg = tf.SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[2, 2, 2], num_heads=[2, 4, 8], window_size=4,
+                            num_labels=10)
+        return tf.SwinForImageClassification(cfg), batch
+    if name == "efficientnet":  # B0's widths (the config's default hidden_dim is B7's)
+        cfg = tf.EfficientNetConfig(image_size=64, num_labels=10, width_coefficient=1.0, depth_coefficient=1.0,
+                                    hidden_dim=1280)
+        return tf.EfficientNetForImageClassification(cfg), batch
+    if name == "mobilevit":
+        return tf.MobileViTForImageClassification(tf.MobileViTConfig(image_size=64, num_labels=10)), batch
+    if name == "beit":
+        cfg = tf.BeitConfig(image_size=64, patch_size=8, hidden_size=WIDTH, num_hidden_layers=4, num_attention_heads=4,
+                            intermediate_size=2 * WIDTH, num_labels=10, use_relative_position_bias=True)
+        return tf.BeitForImageClassification(cfg), batch
+    if name == "segformer":
+        return tf.SegformerForImageClassification(tf.SegformerConfig(image_size=64, num_labels=10)), batch
     raise ValueError(name)
 
 
