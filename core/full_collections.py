@@ -4,9 +4,9 @@ A solve builds a relaxation of a few hundred thousand Python objects (its rows a
 then allocates lists by the million in its plan searches (every simulated schedule). CPython
 counts those allocations and, every tenth young collection, considers a full one, which walks
 every object the process holds: on RegNet at half its activation memory, 20 full collections
-took 3.3 s of an 18 s solve, and the solve ran 3-5 s faster with them made rare (RegNet 18.2 s
--> 14-16 s, T5 21 s -> 16-18 s, this 2-core machine; `benchmarks/certificates.py` shows the
-solve times). Almost nothing a solve allocates is cyclic garbage (reference counts free its
+took 3.3 s of an 18 s solve; made rare, the same plans came sooner (`benchmarks/certificates.py`
+against the checkout before, this 2-core machine: RegNet 14.9 -> 12.5 s, T5 14.3 -> 12.2 s,
+benchmarks/results/certificates.txt). Almost nothing a solve allocates is cyclic garbage (reference counts free its
 lists), and the young collections still run, so cycles made and dropped within the solve are
 still found there or at the next full collection after it.
 

@@ -57,10 +57,11 @@ def encoder_decoder(enc: int = 2, dec: int = 2, seed: int = 0):
     return with_backward(fwd, resident=20, name=f"encdec{enc}x{dec}_s{seed}", rng=rng)
 
 
-def long_blocks(blocks: int = 3, body: int = 12, seed: int = 0):
+def long_blocks(blocks: int = 3, body: int = 12, seed: int = 0, adds: int = 1):
     """Residual blocks longer than the long-lived span of group_target 5 (10 forward nodes): the
-    stream's value before a block is read by its first node and by the residual add after it;
-    and a table (positions -> cos, two nodes) that every block reads, as rotary tables are."""
+    stream's value before a block is read by its first node and by the residual add after it (with
+    adds=2 by two adds in a row, as BEiT's layer-scaled block reads it); and a table (positions ->
+    cos, two nodes) that every block reads, as rotary tables are."""
     rng = random.Random(seed)
     fwd: list[Node] = []
 
@@ -75,17 +76,20 @@ def long_blocks(blocks: int = 3, body: int = 12, seed: int = 0):
         h = add(f"norm_{b}", [x], 16, 1)
         for k in range(body):
             h = add(f"mm_{b}_{k}", [h, cos] if k == 0 else [h], rng.choice([16, 32, 48]), 2 + rng.randint(0, 6))
+        if adds == 2:
+            h = add(f"add_{b}_scaled", [x, h], 16, 1)
         x = add(f"add_{b}", [x, h], 16, 1)
     add("loss", [x], 0, 2, kept=4)
-    return with_backward(fwd, resident=20, name=f"blocks{blocks}x{body}_s{seed}", rng=rng)
+    return with_backward(fwd, resident=20, name=f"blocks{blocks}x{body}_s{seed}_a{adds}", rng=rng)
 
 
-def test_long_lived_values_are_tables_not_the_residual_stream():
-    """The stream's value before a long block is read far only once (by the residual add), and the
-    whole block feeds only that add: it stays in its own group (in the long-lived group with its
-    feeders it would be modelled over every row the stream lives); a table read by every block
-    joins the long-lived group with what computes it."""
-    g = long_blocks()
+@pytest.mark.parametrize("adds", [1, 2])
+def test_long_lived_values_are_tables_not_the_residual_stream(adds):
+    """The stream's value before a long block is read far only by the residual add (or two adds in
+    a row), and the whole block feeds only those: it stays in its own group (in the long-lived
+    group with its feeders it would be modelled over every row the stream lives); a table read by
+    every block joins the long-lived group with what computes it."""
+    g = long_blocks(adds=adds)
     names = [[g.nodes[i].name for i in members] for members in groups_of(g, target=5)]
     hubs = names[-1]
     assert {"pos", "cos"} <= set(hubs)
