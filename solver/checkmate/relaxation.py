@@ -115,16 +115,14 @@ def forward_cuts(graph: TrainingGraph, span: int = 40) -> list[str]:
 def _with_feeders(graph: TrainingGraph, span: int, limit: int) -> set[int]:
     """The long-lived values at `span` (indices) with the forward nodes that feed only them (a
     table's own computation: positions -> cos/sin, a mask's comparisons). A value with more than
-    `limit` such feeders whose far readers (`span` or more past it) all lie within `span` of one another
-    is the residual stream of a block longer than the span (its value before the block reaches the
-    residual adds after it, one or two), not a table: it is left out, else the whole block that
-    feeds only the adds would join the long-lived group, modelled over all of its rows, a size that
-    grows with the square of its rows (Gemma-2's 3 layers: 166 of 242 forward nodes, 152k
-    variables; BEiT's 4 layers, whose relative position bias each layer computes again: 304 of 413,
-    244k variables, a root LP past its iteration limit). Read far by nodes `span` or more apart
-    (an encoder's output, read by every decoder layer) it stays, with its feeders: modelled
-    together, the bound is tighter (T5 at half its activation memory: gap 3.6%; 14.3% with the
-    encoder in its own groups)."""
+    `limit` such feeders whose far readers (`span` or more past it) lie within `span` of one another is
+    a block's residual stream (its value before the block, read by the residual adds after it), not
+    a table: it is left out, else the whole block feeding only the adds would join the long-lived
+    group, modelled over all its rows, a size growing with their square (Gemma-2's 3 layers: 166 of
+    242 forward nodes, 152k variables; BEiT's 4, each computing its position bias again: 304 of
+    413, 244k). Read far by nodes `span` or more apart (an encoder's output, read by every decoder
+    layer) it stays, with its feeders: modelled together, the bound is tighter (T5 at half its
+    activation memory: gap 3.6%; 14.3% with the encoder in its own groups)."""
     idx = graph.index
     fwd = graph.forward_nodes
     at = {v.name: i for i, v in enumerate(fwd)}
