@@ -23,7 +23,7 @@ from __future__ import annotations
 from remat.core.simulator import SimResult, last_reads, simulate
 from remat.core.training_graph import TrainingGraph
 
-__all__ = ["exchange", "chain_costs", "evaluations", "EVALUATIONS", "EVALUATED_NODES", "CANDIDATES", "ROUNDS"]
+__all__ = ["exchange", "keep_dropped", "chain_costs", "evaluations", "EVALUATIONS", "EVALUATED_NODES", "CANDIDATES", "ROUNDS"]
 
 EVALUATIONS = 300  # schedules simulated, at most, in one search (on ResNet-50, 460 nodes: 0.5 s)
 EVALUATED_NODES = 150_000  # ... and at most this many nodes' worth of schedules (RegNet, 945 nodes: 158)
@@ -55,6 +55,26 @@ def evaluations(graph: TrainingGraph) -> int:
     return max(1, min(EVALUATIONS, EVALUATED_NODES // max(len(graph.nodes), 1)))
 
 
+def keep_dropped(graph: TrainingGraph, drops: list[set[int]], sched: list[str], sim: SimResult, repair,
+                 go_on) -> tuple[list[set[int]], list[str]]:
+    """(drops, schedule) after keeping dropped values one at a time, the most expensive
+    recomputation chain first, each once, while go_on() says so: repair(drops without u, u) ->
+    (drops, schedule, sim) that fits the budget, or None; a move is kept when it costs less than
+    the plan so far (sched, its simulation sim). The loop of `exchange` and of keep_more.py."""
+    tried: set[int] = set()
+    while go_on():
+        dropped = {u for d in drops for u in d}
+        cands = [(c, u) for u, c in chain_costs(graph, sched).items() if u in dropped and u not in tried]
+        if not cands:
+            break
+        _, u = max(cands)
+        tried.add(u)
+        found = repair([d - {u} for d in drops], u)
+        if found is not None and found[2].extra_cost < sim.extra_cost - 1e-12:
+            drops, sched, sim = found
+    return drops, sched
+
+
 def exchange(graph: TrainingGraph, drops: list[set[int]], budget: int, build,
              max_evaluations: int | None = None) -> tuple[list[set[int]], list[str]]:
     """(drops, schedule) after the search (see the module docstring). build(drops) -> schedule
@@ -65,18 +85,7 @@ def exchange(graph: TrainingGraph, drops: list[set[int]], budget: int, build,
     sched, sim = search.evaluate(drops)
     if sim.peak_bytes > budget:
         raise ValueError("exchange starts from a plan that fits the budget")
-    tried: set[int] = set()
-    while search.left > 0:
-        dropped = {u for d in drops for u in d}
-        cands = [(c, u) for u, c in chain_costs(graph, sched).items() if u in dropped and u not in tried]
-        if not cands:
-            break
-        _, u = max(cands)
-        tried.add(u)
-        found = search.repair([d - {u} for d in drops], u)
-        if found is not None and found[2].extra_cost < sim.extra_cost - 1e-12:
-            drops, sched, sim = found
-    return drops, sched
+    return keep_dropped(graph, drops, sched, sim, search.repair, lambda: search.left > 0)
 
 
 class _Search:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from remat.core.training_graph import TrainingGraph
 from remat.core.simulator import simulate
-from remat.solver.checkmate.exchange import chain_costs
+from remat.solver.checkmate.exchange import keep_dropped
 
 __all__ = ["keep_more"]
 
@@ -23,27 +23,24 @@ def keep_more(graph: TrainingGraph, drops: list[set[int]], budget: int, build, r
     given drops' schedule must fit. Keeping a value may need others dropped instead (the
     cheapest per byte, where the peak is over): that swap is kept when it costs less. A value is
     tried once; the trials stop after `max_trials`."""
-    drops = [set(d) for d in drops]
-    sched = build(drops)
-    cost = simulate(graph, sched).extra_cost
-    tried: set[int] = set()
-    for _ in range(max_trials):
-        dropped = {u for d in drops for u in d}
-        chains = chain_costs(graph, sched)
-        cands = sorted((c, u) for u, c in chains.items() if u in dropped and u not in tried)
-        if not cands:
-            break
-        _, u = cands[-1]
-        tried.add(u)
-        trial = [d - {u} for d in drops]
+
+    def repair(trial: list[set[int]], _kept: int):
         s = build(trial)
         sim = simulate(graph, s)
         if sim.peak_bytes > budget:
             fitted = refit(trial)
             if fitted is None:
-                continue
+                return None
             trial, s = fitted
             sim = simulate(graph, s)
-        if sim.peak_bytes <= budget and sim.extra_cost < cost - 1e-12:
-            drops, sched, cost = trial, s, sim.extra_cost
-    return drops, sched
+        return (trial, s, sim) if sim.peak_bytes <= budget else None
+
+    trials = [max_trials]
+
+    def go_on() -> bool:
+        trials[0] -= 1
+        return trials[0] >= 0
+
+    drops = [set(d) for d in drops]
+    sched = build(drops)
+    return keep_dropped(graph, drops, sched, simulate(graph, sched), repair, go_on)
