@@ -13,6 +13,8 @@ import heapq
 import os
 import random
 
+import pytest
+
 from remat.core.training_graph import Node, TrainingGraph
 
 __all__ = ["training_chain", "transformer_like", "random_dag", "with_backward", "brute_force", "random_schedule"]
@@ -26,6 +28,16 @@ def pytest_configure(config):
         import torch
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // int(workers)))
+
+
+@pytest.fixture(autouse=True)
+def _plans_from_nothing():
+    """Each test plans from nothing: the lowest-peak plans checkmate keeps per planning problem
+    (solver/checkmate/lowest_peak.py) are forgotten before it, so no test reads another's."""
+    from remat.solver.checkmate import lowest_peak
+
+    lowest_peak._LOWEST.clear()
+    yield
 
 
 def training_chain(n: int, seed: int = 0, *, max_bytes: int = 20, max_cost: int = 9,

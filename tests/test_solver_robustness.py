@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from dataclasses import replace
 
 import pytest
 
@@ -29,6 +30,7 @@ from remat.solver.checkmate import SolverFallbackWarning
 from remat.core.plan import InfeasibleBudgetError
 from remat.solver.schedule import keep_all_schedule
 from remat.core.simulator import simulate
+from remat.core.training_graph import TrainingGraph
 from tests.conftest import brute_force, random_dag, training_chain, transformer_like
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -206,10 +208,13 @@ def test_same_schedule_every_time_even_under_load():
     assert first.details["attempts"] == [{**first.details["attempts"][0], "backend": "highs",
                                           "status": "feasible", "stopped_by": "node limit"}]
     assert first.details["limits"]["time_limit_s"] is None
-    # a fresh graph object: nothing is cached between the solves
+    # a fresh graph object, and nothing cached between the solves (the lowest-peak plans are
+    # kept per planning problem)
+    lowest_peak._LOWEST.clear()
     again = _limited_solve(transformer_like(3), budget)
     assert again.schedule == first.schedule
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    lowest_peak._LOWEST.clear()
     try:
         loaded = _limited_solve(transformer_like(3), budget)
     finally:
@@ -258,8 +263,38 @@ def test_smallest_budget_is_accepted_even_if_a_second_search_would_differ(monkey
     assert m < equal_spacing.solve(g, 0).predicted_peak_bytes  # the MILP's plan, not equal_spacing's
     plan = api.solve(g, m, coarsen_to=30)
     _fits(g, plan, m)
+    assert len(calls) == 1  # the lowest-peak plan is kept: the second solve did not search again
     # the lowest-peak plan answers, unless the relaxation's or the rows' search found one at least as good
     assert plan.details["refined_from"] in ("lowest_peak", "relaxation", "peak_rows")
+
+
+def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
+    """A refused budget asked again at the smallest one the refusal named traces the model again:
+    a new graph object, the same planning problem, whose lowest-peak plan is not searched again.
+    Another problem (one node's cost changed) is."""
+    g = random_dag(40, 6)
+    real, calls = lowest_peak.peak_floor, []
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(lowest_peak, "peak_floor", counted)
+    m, plan = checkmate.min_feasible_budget(g, return_plan=True)
+    again = TrainingGraph.from_json(g.to_json())
+    assert again is not g and again.same_problem(g) and again.problem_key() == g.problem_key()
+    m2, plan2 = checkmate.min_feasible_budget(again, return_plan=True)
+    assert len(calls) == 1 and (m2, plan2.schedule) == (m, plan.schedule)
+    assert plan2.graph is again and plan.graph is g
+    _fits(again, api.solve(again, m), m)
+    changed = TrainingGraph(tuple(replace(n, cost=n.cost * 2) if i == 3 else n for i, n in enumerate(g.nodes)),
+                            g.resident_bytes, tangents=g.tangents)
+    assert not changed.same_problem(g)
+    checkmate.min_feasible_budget(changed)
+    assert len(calls) == 2
+    for k in range(lowest_peak.CACHED_PROBLEMS + 1):  # the cache keeps the most recent problems only
+        checkmate.min_feasible_budget(random_dag(12, 100 + k))
+    assert len(lowest_peak._LOWEST) == lowest_peak.CACHED_PROBLEMS
 
 
 def test_smallest_budget_is_accepted_when_every_backend_fails(monkeypatch):

@@ -312,7 +312,14 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
             if lp is None or lp.status == "infeasible":
                 lo = bound = mid + 1  # proven: nothing fits `mid`
                 continue
-            found = best_guided(graph, probe.rel, lp.x, mid) if lp.x is not None else None
+            # a probe asks whether anything fits `mid`: the thresholds' plans first, the threshold
+            # searches (most of a probe's time) only where none of those fits; the plan of the
+            # last probe is read in full again below (_cold_at)
+            found = None
+            for search in (False, True) if lp.x is not None else ():
+                found = best_guided(graph, probe.rel, lp.x, mid, search=search)
+                if found is not None:
+                    break
             sched = found[0] if found else None
         if sched is None:
             lo = mid

@@ -10,7 +10,7 @@ instead, solver/checkmate/peak_rows.py `lowest_peak_by_rows`); on graphs up to D
 certified search then tries to go lower.
 plan.details["peak_lower_bound"] is the rows' floor, or the relaxation's bound where it ran and
 is higher: no schedule whose first computations follow the graph's order peaks below it, so a
-budget under it is infeasible as a fact. Cached per graph object and options: min_feasible_budget
+budget under it is infeasible as a fact. Cached per planning problem (TrainingGraph.same_problem) and options: min_feasible_budget
 and solve's last fallback read the same entry, so every budget at or above the one reported is a
 budget solve accepts.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-import weakref
+from collections import OrderedDict
 from dataclasses import replace
 
 from remat.core.full_collections import rare_full_collections
@@ -37,7 +37,7 @@ from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
 
-__all__ = ["min_feasible_budget", "lowest_peak_plan", "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES"]
+__all__ = ["min_feasible_budget", "lowest_peak_plan", "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES", "CACHED_PROBLEMS"]
 
 # on graphs up to DESCEND_MAX_NODES nodes the lowest peak is pushed down by the certified search
 # (above it, on eight models of 141-748 nodes, U-Net, the GPTs, ViT, BERT, Qwen2, T5, ResNet-50,
@@ -49,9 +49,12 @@ DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
 CLOSE_TO_FLOOR = 0.001
 
 
-# lowest-peak plans per (graph object, options): min_feasible_budget and solve's last fallback read
-# the same entry, so the budget one reports is a budget the other accepts, whatever the limits
-_LOWEST: dict = {}
+# lowest-peak plans per (planning problem, options), the most recent CACHED_PROBLEMS of them:
+# min_feasible_budget and solve's last fallback read the same entry, so the budget one reports is a
+# budget the other accepts, whatever the limits; and a model traced again at the same shapes (a
+# budget refused, then asked again at the smallest one the refusal named) is not searched again
+_LOWEST: OrderedDict = OrderedDict()
+CACHED_PROBLEMS = 8
 
 
 def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | None, limits: Limits,
@@ -60,12 +63,13 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     and (when those stay more than CLOSE_TO_FLOOR above the rows' floor) the relaxation's
     lowest-peak plans, each with its peak relieved, and the certified search's (small graphs, when
     those stay more than DESCEND_GAP above the proven floor), the one that peaks lowest
-    (cached per graph object and options `limits`, whatever wall clock was left before `deadline`
+    (cached per planning problem and options `limits`, whatever wall clock was left before `deadline`
     when it was computed; a copy is returned)."""
-    key = (id(graph), backend, coarsen_to, limits)
+    key = (graph.problem_key(), backend, coarsen_to, limits)
     hit = _LOWEST.get(key)
-    if hit is not None and hit[0]() is graph:
-        return replace(hit[1], details=copy.deepcopy(hit[1].details))  # (the graph is shared: frozen)
+    if hit is not None and hit[0].same_problem(graph):
+        _LOWEST.move_to_end(key)
+        return _copy_for(hit[1], graph)
     t0 = time.perf_counter()
     name = default_backend() if backend == "auto" else backend
     g = coarse_graph(graph, coarsen_to)
@@ -123,9 +127,16 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
                "attempts": log}
     plan = replace(chosen, details=details, budget_bytes=chosen.predicted_peak_bytes,
                    solve_time_s=time.perf_counter() - t0)  # coarsening and the comparison included
-    # the callback holds the dict itself: at interpreter exit the module global may already be None
-    _LOWEST[key] = (weakref.ref(graph, lambda _, k=key, cache=_LOWEST: cache.pop(k, None)), plan)
-    return replace(plan, details=copy.deepcopy(plan.details))
+    _LOWEST[key] = (graph, plan)
+    while len(_LOWEST) > CACHED_PROBLEMS:
+        _LOWEST.popitem(last=False)
+    return _copy_for(plan, graph)
+
+
+def _copy_for(plan: Plan, graph: TrainingGraph) -> Plan:
+    """A copy of the cached `plan` for `graph` (the same problem; its fingerprint may differ where
+    its meta records other traced bytes)."""
+    return replace(plan, details=copy.deepcopy(plan.details), graph=graph, graph_fingerprint=graph.fingerprint())
 
 
 def _relieved(graph: TrainingGraph, peak: int, source: str, plan: Plan) -> tuple[int, str, Plan]:
@@ -153,7 +164,7 @@ def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",
     resident for every t, k); plan.details says which one it is, and holds "peak_lower_bound",
     below which no plan exists. `solve` with the
     same options accepts every budget at or above this answer: this plan is its last fallback
-    (cached per graph object). Options as in `solve` (mip_gap does not apply: kept for symmetry)."""
+    (cached per planning problem). Options as in `solve` (mip_gap does not apply: kept for symmetry)."""
     limits = make_limits(time_limit_s, max_nodes, mip_gap, threads)
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     plan = lowest_peak_plan(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
