@@ -37,6 +37,9 @@ class PlanDetails(TypedDict, total=False):
     # HiGHS's MILP of the relaxation, where the branch and bound stopped short of its gap on a small
     # relaxation: {"status", "nodes", "bound", "s"}
     relaxation_milp: dict[str, Any]
+    # HiGHS's root node on a larger relaxation (its bound only), where the branch and bound stalled
+    # with a gap over ROOT_CUTS_GAP: {"status", "reports", "bound", "s"}
+    root_cuts: dict[str, Any]
     plan_source: str
     certified_s: float
     infeasible_row: str | None  # the node at which the relaxation proved the budget infeasible

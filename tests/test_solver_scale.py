@@ -222,6 +222,32 @@ def test_the_relaxation_milp_closes_the_gap_class_branching_leaves(monkeypatch):
         assert (plan.status == "optimal") == closes, g.name
 
 
+def test_highs_root_node_raises_the_bound_a_stalled_search_leaves(monkeypatch):
+    """Where the class-sum branching stalls on a relaxation too large for HiGHS's MILP, with a gap
+    over ROOT_CUTS_GAP, HiGHS's root node on the relaxation (the plan's cost as cutoff) raises the
+    bound: never above the brute-force optimum, and the plan stays the one found without it."""
+    from remat.solver.checkmate import branch_and_bound, certified_search
+
+    monkeypatch.setattr(branch_and_bound, "STALL", 1)
+    monkeypatch.setattr(certified_search, "MIP_MAX_VARIABLES", 0)
+    # the first: nothing under the cutoff (the plan is the relaxation's optimum); the second: the
+    # root stops, its bound flat, between the stalled search's bound and the optimum
+    for n, seed, above in ((10, 7, 2), (10, 4, 0)):
+        g = training_chain(n, seed)
+        budget = brute_force(g, None, objective="peak")[0] + above
+        extra = brute_force(g, budget)[0] - g.total_cost
+        with monkeypatch.context() as m:
+            m.setattr(certified_search, "ROOT_CUTS_GAP", 1.0)  # never: the plan and bound without it
+            without = checkmate.solve(g, budget)
+        assert without.details["certify"]["stopped_by"] == "stalled" and "root_cuts" not in without.details
+        monkeypatch.setattr(certified_search, "ROOT_CUTS_GAP", 0.0)
+        plan = checkmate.solve(g, budget)
+        cuts = plan.details["root_cuts"]
+        assert cuts["reports"] >= 1 or cuts["status"] == "Infeasible"  # (nothing under the cutoff)
+        assert plan.schedule == without.schedule
+        assert without.lower_bound < plan.lower_bound <= extra + 1e-9, g.name
+
+
 FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]
 
 
