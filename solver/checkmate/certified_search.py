@@ -225,7 +225,7 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
           and best[1] - bound > ROOT_CUTS_GAP * best[1]):
         left = ROOT_CUTS_MAX_S if time_limit_s is None else min(ROOT_CUTS_MAX_S, time_limit_s - (time.perf_counter() - t0))
         if left > 0:
-            bound = max(bound, _root_cuts(rel, best[1], left, details))
+            bound = max(bound, _root_cuts(rel, best[1], left, details, progress))
     details["guided_plans"] = plans_log
     details["plan_source"] = best[2]
     details["certified_s"] = round(time.perf_counter() - t0, 3)
@@ -254,7 +254,7 @@ def _mip(graph, rel, incumbent, mip_gap, time_limit_s, on_solution, details) -> 
     return bound
 
 
-def _root_cuts(rel, incumbent: float, time_limit_s: float, details) -> float:
+def _root_cuts(rel, incumbent: float, time_limit_s: float, details, progress) -> float:
     """HiGHS's root node on the relaxation as a MILP (see ROOT_CUTS_GAP): its dual bound in cost
     units, 0 where it gives none. `incumbent`: the best plan's extra cost (the cutoff); it stops
     once its bound is within ROOT_CUTS_GAP of it (what it runs for), or flat (ROOT_CUTS_STALL)."""
@@ -266,6 +266,7 @@ def _root_cuts(rel, incumbent: float, time_limit_s: float, details) -> float:
     h.setOptionValue("objective_bound", incumbent / cs)  # nothing above the plan is of interest
     h.setOptionValue("mip_heuristic_effort", 0.0)  # only the bound is read
     seen = {"bound": -math.inf, "reports": 0, "flat": 0}
+    total = max(rel.graph.total_cost, 1e-12)
 
     def report(_type, _msg, data_out, data_in, _user) -> None:
         b = data_out.mip_dual_bound
@@ -276,6 +277,9 @@ def _root_cuts(rel, incumbent: float, time_limit_s: float, details) -> float:
         else:
             seen["flat"] += 1
         seen["bound"] = max(seen["bound"], b)
+        if math.isfinite(seen["bound"]):  # the search's line: HiGHS's root node, its bound and gap so far
+            progress.note(highs_root=f"{seen['reports']} reports", bound=f"{100 * seen['bound'] * cs / total:.3f}%",
+                          gap=f"{100 * (1 - seen['bound'] * cs / incumbent):.2f}%")
         if seen["flat"] >= ROOT_CUTS_STALL or seen["bound"] >= (1 - ROOT_CUTS_GAP) * incumbent / cs:
             data_in.user_interrupt = True
 
