@@ -238,14 +238,15 @@ def test_highs_root_node_raises_the_bound_a_stalled_search_leaves(monkeypatch):
         extra = brute_force(g, budget)[0] - g.total_cost
         with monkeypatch.context() as m:
             m.setattr(certified_search, "ROOT_CUTS_GAP", 1.0)  # never: the plan and bound without it
-            without = checkmate.solve(g, budget)
+            without = certified_search.certified_search(g, budget)
         assert without.details["certify"]["stopped_by"] == "stalled" and "root_cuts" not in without.details
         monkeypatch.setattr(certified_search, "ROOT_CUTS_GAP", 0.0)
-        plan = checkmate.solve(g, budget)
-        cuts = plan.details["root_cuts"]
+        res = certified_search.certified_search(g, budget)
+        cuts = res.details["root_cuts"]
         assert cuts["reports"] >= 1 or cuts["status"] == "Infeasible"  # (nothing under the cutoff)
-        assert plan.schedule == without.schedule
-        assert without.lower_bound < plan.lower_bound <= extra + 1e-9, g.name
+        assert res.schedule == without.schedule and res.extra_cost >= extra - 1e-9
+        assert without.bound < res.bound <= extra + 1e-9, g.name
+        assert res.details["bound_source"].startswith("HiGHS's root node")
 
 
 FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]
