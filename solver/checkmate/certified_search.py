@@ -223,7 +223,9 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
             bound = max(bound, _mip(graph, rel, best[0], mip_gap, left, on_solution, details))
     elif (cert.stopped_by == "stalled" and rel.model.num_vars <= ROOT_CUTS_MAX_VARIABLES
           and best[1] - bound > ROOT_CUTS_GAP * best[1]):
-        left = ROOT_CUTS_MAX_S if time_limit_s is None else min(ROOT_CUTS_MAX_S, time_limit_s - (time.perf_counter() - t0))
+        left = ROOT_CUTS_MAX_S
+        if time_limit_s is not None:
+            left = min(left, time_limit_s - (time.perf_counter() - t0))
         if left > 0:
             bound = max(bound, _root_cuts(rel, best[1], left, details, progress))
     details["guided_plans"] = plans_log

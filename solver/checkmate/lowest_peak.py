@@ -10,14 +10,15 @@ instead, solver/checkmate/peak_rows.py `lowest_peak_by_rows`); on graphs up to D
 certified search then tries to go lower.
 plan.details["peak_lower_bound"] is the rows' floor, or the relaxation's bound where it ran and
 is higher: no schedule whose first computations follow the graph's order peaks below it, so a
-budget under it is infeasible as a fact. Cached per planning problem (TrainingGraph.same_problem) and options: min_feasible_budget
-and solve's last fallback read the same entry, so every budget at or above the one reported is a
-budget solve accepts.
+budget under it is infeasible as a fact. Cached per planning problem (TrainingGraph.same_problem)
+and options: min_feasible_budget and solve's last fallback read the same entry, so every budget at
+or above the one reported is a budget solve accepts.
 """
 from __future__ import annotations
 
 import copy
 import math
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -54,6 +55,7 @@ CLOSE_TO_FLOOR = 0.001
 # budget the other accepts, whatever the limits; and a model traced again at the same shapes (a
 # budget refused, then asked again at the smallest one the refusal named) is not searched again
 _LOWEST: OrderedDict = OrderedDict()
+_LOWEST_LOCK = threading.Lock()  # blocks may be planned in threads
 CACHED_PROBLEMS = 8
 
 
@@ -66,10 +68,11 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     (cached per planning problem and options `limits`, whatever wall clock was left before `deadline`
     when it was computed; a copy is returned)."""
     key = (graph.problem_key(), backend, coarsen_to, limits)
-    hit = _LOWEST.get(key)
-    if hit is not None and hit[0].same_problem(graph):
-        _LOWEST.move_to_end(key)
-        return _copy_for(hit[1], graph)
+    with _LOWEST_LOCK:
+        hit = _LOWEST.get(key)
+        if hit is not None and hit[0].same_problem(graph):
+            _LOWEST.move_to_end(key)
+            return _copy_for(hit[1], graph)
     t0 = time.perf_counter()
     name = default_backend() if backend == "auto" else backend
     g = coarse_graph(graph, coarsen_to)
@@ -127,9 +130,10 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
                "attempts": log}
     plan = replace(chosen, details=details, budget_bytes=chosen.predicted_peak_bytes,
                    solve_time_s=time.perf_counter() - t0)  # coarsening and the comparison included
-    _LOWEST[key] = (graph, plan)
-    while len(_LOWEST) > CACHED_PROBLEMS:
-        _LOWEST.popitem(last=False)
+    with _LOWEST_LOCK:
+        _LOWEST[key] = (graph, plan)
+        while len(_LOWEST) > CACHED_PROBLEMS:
+            _LOWEST.popitem(last=False)
     return _copy_for(plan, graph)
 
 
