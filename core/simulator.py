@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from remat.core.errors import RematError
 from remat.core.training_graph import TrainingGraph
 
@@ -84,6 +86,43 @@ class _Tables:
         self.per_node = [([key for _, keys in self.reads[i] for key in keys],
                           v.out_bytes + v.kept_bytes + v.workspace_bytes, v.out_bytes + v.kept_bytes,
                           v.cost, v.flops, v.recomputable) for i, v in enumerate(nodes)]
+        # what _releases frees, entry by entry: bytes, the node whose first step bounds it from
+        # below (-1: a tangent, bounded by the forward's end), its readers in the graph
+        entries = [(b, -1, readers) for b, readers in graph.tangents if readers]
+        entries += [(b, idx[v.name], readers) for v in self.forward_kept for b, readers in v.forward_kept]
+        self.release_entries = [(b, v, [idx[r] for r in readers if r in idx]) for b, v, readers in entries]
+        self._arrays: _Arrays | None = None  # (no reference to the graph: it holds these tables)
+
+    @property
+    def arrays(self) -> "_Arrays":
+        if self._arrays is None:
+            self._arrays = _Arrays(self)
+        return self._arrays
+
+
+class _Arrays:
+    """The same tables as numpy arrays, for _simulate_arrays: per node, its first key, how many
+    parts it has, the keys it reads (concatenated: read_keys[read_start[v]:][:read_count[v]]),
+    bytes while it runs and after, whether it may be recomputed; per key, its bytes; the release
+    entries."""
+
+    def __init__(self, tab: _Tables):
+        reads = [r[0] for r in tab.per_node]
+        self.first = np.array(tab.first, dtype=np.int64)
+        self.part_count = np.array([len(o) for o in tab.own], dtype=np.int64)
+        self.read_count = np.array([len(r) for r in reads], dtype=np.int64)
+        self.read_start = np.cumsum(self.read_count) - self.read_count
+        self.read_keys = np.array([k for r in reads for k in r], dtype=np.int64)
+        self.part_bytes = np.array(tab.part_bytes, dtype=np.int64)
+        self.running = np.array([r[1] for r in tab.per_node], dtype=np.int64)
+        self.added = np.array([r[2] for r in tab.per_node], dtype=np.int64)
+        self.recomputable = np.array([r[5] for r in tab.per_node], dtype=bool)
+        entries = tab.release_entries  # (their readers concatenated, as the reads above)
+        self.release_bytes = np.array([e[0] for e in entries], dtype=np.int64)
+        self.release_node = np.array([e[1] for e in entries], dtype=np.int64)
+        self.release_count = np.array([len(e[2]) for e in entries], dtype=np.int64)
+        self.release_start = np.cumsum(self.release_count) - self.release_count
+        self.release_readers = np.array([r for e in entries for r in e[2]], dtype=np.int64)
 
 
 def _tables(graph: TrainingGraph) -> _Tables:
@@ -249,15 +288,83 @@ def _not_live(nodes, tab: _Tables, live: list[int], computed: bytearray, s: int,
 
 def simulate(graph: TrainingGraph, schedule: list[str]) -> SimResult:
     """Replay `schedule` over `graph`; raise ScheduleError if it cannot run."""
-    tab, nodes = _tables(graph), graph.nodes
+    tab = _tables(graph)
     steps = _steps(graph, schedule)
+    end = forward_end(graph, schedule)
+    found = _simulate_arrays(graph, tab, steps, end)
+    return found if found is not None else _replay(graph, tab, steps, end, _releases(graph, schedule, end))
+
+
+def _simulate_arrays(graph: TrainingGraph, tab: _Tables, steps: list[int], end: int | None) -> SimResult | None:
+    """simulate's result computed on arrays (the plan searches simulate thousands of schedules:
+    this is several times faster than the step-by-step replay, and equal to it), or None where the
+    schedule cannot run (then `_replay` raises the error, naming the step). Every read goes to the
+    latest instance of the part before it, and an instance is freed after its last read (after its
+    own step when nothing reads it): memory after each step is a running sum."""
+    n, length = len(graph.nodes), len(steps)
+    a = tab.arrays
+    if not length:
+        return None
+    at = np.array(steps, dtype=np.int64)
+    count = np.bincount(at, minlength=n)
+    if (count == 0).any() or ((count > 1) & ~a.recomputable).any():
+        return None  # a node never computed, or one computed again that may not be
+    # every read (step, key) and every computed part (step, key) of the schedule
+    deg = a.read_count[at]
+    read_step = np.repeat(np.arange(length), deg)
+    read_key = a.read_keys[np.repeat(a.read_start[at] - np.cumsum(deg) + deg, deg) + np.arange(read_step.size)]
+    parts = a.part_count[at]
+    made_step = np.repeat(np.arange(length), parts)
+    made_key = np.repeat(a.first[at] - np.cumsum(parts) + parts, parts) + np.arange(made_step.size)
+    # each read's instance: the key's latest computation before the read
+    made_code = made_key * length + made_step
+    order = np.argsort(made_code, kind="stable")
+    pos = np.searchsorted(made_code[order], read_key * length + read_step) - 1
+    if read_step.size and ((pos < 0).any() or (made_key[order[np.maximum(pos, 0)]] != read_key).any()):
+        return None  # a read of a part never computed before it
+    freed = made_step.copy()  # the step after which each instance is freed
+    np.maximum.at(freed, order[pos], read_step)
+    # bytes after each step: its outputs and kept bytes, less what is freed then (sums of byte
+    # counts below 2**53: exact in float64), less the tangents and forward-kept outputs released
+    delta = a.added[at] - np.bincount(freed, weights=a.part_bytes[made_key], minlength=length).astype(np.int64)
+    tangent_bytes = sum(b for b, _ in graph.tangents) if end is not None else 0
+    if end is not None and a.release_bytes.size:  # _releases, on the same arrays
+        step = np.arange(length)
+        last = np.full(n, -1, dtype=np.int64)
+        np.maximum.at(last, at, step)
+        first = np.full(n, length, dtype=np.int64)
+        np.minimum.at(first, at, step)
+        release_at = np.where(a.release_node < 0, end + 1, np.maximum(end, first[np.maximum(a.release_node, 0)]))
+        read = a.release_count > 0
+        if read.any():
+            latest = np.maximum.reduceat(last[a.release_readers], a.release_start[read])
+            release_at[read] = np.maximum(release_at[read], latest)
+        delta -= np.bincount(release_at, weights=a.release_bytes, minlength=length + 1)[:length].astype(np.int64)
+    base = graph.resident_bytes - tangent_bytes  # the tangents come with the backward
+    before = np.cumsum(delta) - delta  # what earlier steps left allocated
+    now = base + before + a.running[at]
+    if end is not None and end + 1 < length:
+        now[end + 1:] += tangent_bytes
+    top = int(now.max())
+    peak, peak_step = (top, int(np.argmax(now))) if top > base else (base, -1)
+    per_node = tab.per_node
+    total_cost = sum([per_node[v][3] for v in steps], 0.0)  # in schedule order, as the replay adds them
+    total_flops = sum([per_node[v][4] for v in steps], 0)
+    return SimResult(peak_bytes=peak, peak_step=peak_step, total_cost=total_cost,
+                     extra_cost=total_cost - graph.total_cost, total_flops=total_flops,
+                     extra_flops=total_flops - graph.total_flops, recomputations=length - n,
+                     timeline=tuple(now.tolist()))
+
+
+def _replay(graph: TrainingGraph, tab: _Tables, steps: list[int], end: int | None,
+            releases: dict[int, int]) -> SimResult:
+    """simulate's result, step by step; raises the ScheduleError of the first step that cannot run."""
+    nodes = graph.nodes
     frees = _last_read_keys(tab, steps)
     live = [-1] * len(tab.part_bytes)  # bytes of each part's current instance; -1: not live
     live_parts = [0] * len(nodes)  # live parts of each node's current instance
     computed = bytearray(len(nodes))
-    end = forward_end(graph, schedule)
     tangent_bytes = sum(b for b, _ in graph.tangents) if end is not None else 0
-    releases = _releases(graph, schedule, end)
     mem = graph.resident_bytes - tangent_bytes  # the tangents come with the backward
     peak, peak_step = mem, -1
     timeline = []
