@@ -272,7 +272,7 @@ def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
     """A refused budget asked again at the smallest one the refusal named traces the model again:
     a new graph object, the same planning problem, whose lowest-peak plan is not searched again.
     Another problem (one node's cost changed) is."""
-    g = random_dag(40, 6)
+    g = training_chain(8, 1)
     real, calls = lowest_peak.peak_floor, []
 
     def counted(*a, **kw):
