@@ -164,21 +164,6 @@ class TrainingGraph:
             h.update(f"{n.name}|{n.op}|{n.inputs}|{n.is_backward}|{n.is_random};".encode())
         return h.hexdigest()[:16]
 
-    @cached_property
-    def _problem_hash(self) -> int:
-        return hash((self.nodes, self.resident_bytes, self.tangents))
-
-    def same_problem(self, other: "TrainingGraph") -> bool:
-        """Whether `other` poses the same planning problem: the same nodes (names, ops, edges, bytes,
-        costs, workspace), resident bytes and tangents; its name and meta may differ. A model traced
-        again at the same shapes gives such a graph, so what was solved for one holds for the other."""
-        return other is self or (self._problem_hash == other._problem_hash and self.nodes == other.nodes
-                                 and self.resident_bytes == other.resident_bytes and self.tangents == other.tangents)
-
-    def problem_key(self) -> int:
-        """A hash of what `same_problem` compares (equal graphs, equal keys)."""
-        return self._problem_hash
-
     def structure_fingerprint(self) -> str:
         """A short hash of the nodes, their ops, edges and flags, without any size: two graphs with
         the same one are the same computation at other sizes (another batch or sequence length),

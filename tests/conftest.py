@@ -32,7 +32,7 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _plans_from_nothing():
-    """Each test plans from nothing: the lowest-peak plans checkmate keeps per planning problem
+    """Each test plans from nothing: the lowest-peak plans checkmate keeps per graph
     (solver/checkmate/lowest_peak.py) are forgotten before it, so no test reads another's."""
     from remat.solver.checkmate import lowest_peak
 

@@ -209,7 +209,7 @@ def test_same_schedule_every_time_even_under_load():
                                           "status": "feasible", "stopped_by": "node limit"}]
     assert first.details["limits"]["time_limit_s"] is None
     # a fresh graph object, and nothing cached between the solves (the lowest-peak plans are
-    # kept per planning problem)
+    # kept per graph, equal graphs alike)
     lowest_peak._LOWEST.clear()
     again = _limited_solve(transformer_like(3), budget)
     assert again.schedule == first.schedule
@@ -270,8 +270,8 @@ def test_smallest_budget_is_accepted_even_if_a_second_search_would_differ(monkey
 
 def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
     """A refused budget asked again at the smallest one the refusal named traces the model again:
-    a new graph object, the same planning problem, whose lowest-peak plan is not searched again.
-    Another problem (one node's cost changed) is."""
+    a new graph object equal to the first, whose lowest-peak plan is not searched again. Another
+    graph (one node's cost changed) is."""
     g = training_chain(8, 1)
     real, calls = lowest_peak.peak_floor, []
 
@@ -282,14 +282,14 @@ def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
     monkeypatch.setattr(lowest_peak, "peak_floor", counted)
     m, plan = checkmate.min_feasible_budget(g, return_plan=True)
     again = TrainingGraph.from_json(g.to_json())
-    assert again is not g and again.same_problem(g) and again.problem_key() == g.problem_key()
+    assert again is not g and again == g and hash(again) == hash(g)
     m2, plan2 = checkmate.min_feasible_budget(again, return_plan=True)
     assert len(calls) == 1 and (m2, plan2.schedule) == (m, plan.schedule)
     assert plan2.graph is again and plan.graph is g
     _fits(again, api.solve(again, m), m)
     changed = TrainingGraph(tuple(replace(n, cost=n.cost * 2) if i == 3 else n for i, n in enumerate(g.nodes)),
                             g.resident_bytes, tangents=g.tangents)
-    assert not changed.same_problem(g)
+    assert changed != g
     checkmate.min_feasible_budget(changed)
     assert len(calls) == 2
     for k in range(lowest_peak.CACHED_PROBLEMS + 1):  # the cache keeps the most recent problems only

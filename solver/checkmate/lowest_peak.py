@@ -10,9 +10,9 @@ instead, solver/checkmate/peak_rows.py `lowest_peak_by_rows`); on graphs up to D
 certified search then tries to go lower.
 plan.details["peak_lower_bound"] is the rows' floor, or the relaxation's bound where it ran and
 is higher: no schedule whose first computations follow the graph's order peaks below it, so a
-budget under it is infeasible as a fact. Cached per planning problem (TrainingGraph.same_problem)
-and options: min_feasible_budget and solve's last fallback read the same entry, so every budget at
-or above the one reported is a budget solve accepts.
+budget under it is infeasible as a fact. Cached per graph (equal graphs alike: TrainingGraph's
+own equality, its meta aside) and options: min_feasible_budget and solve's last fallback read the
+same entry, so every budget at or above the one reported is a budget solve accepts.
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
 CLOSE_TO_FLOOR = 0.001
 
 
-# lowest-peak plans per (planning problem, options), the most recent CACHED_PROBLEMS of them:
+# lowest-peak plans per (graph, options), the most recent CACHED_PROBLEMS of them, keyed by the
+# graph's own equality (nodes, bytes, costs, resident bytes, tangents, name; not its meta):
 # min_feasible_budget and solve's last fallback read the same entry, so the budget one reports is a
 # budget the other accepts, whatever the limits; and a model traced again at the same shapes (a
 # budget refused, then asked again at the smallest one the refusal named) is not searched again
@@ -65,14 +66,14 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     and (when those stay more than CLOSE_TO_FLOOR above the rows' floor) the relaxation's
     lowest-peak plans, each with its peak relieved, and the certified search's (small graphs, when
     those stay more than DESCEND_GAP above the proven floor), the one that peaks lowest
-    (cached per planning problem and options `limits`, whatever wall clock was left before `deadline`
-    when it was computed; a copy is returned)."""
-    key = (graph.problem_key(), backend, coarsen_to, limits)
+    (cached per graph, equal graphs alike, and options `limits`, whatever wall clock was left
+    before `deadline` when it was computed; a copy is returned)."""
+    key = (graph, backend, coarsen_to, limits)
     with _LOWEST_LOCK:
         hit = _LOWEST.get(key)
-        if hit is not None and hit[0].same_problem(graph):
+        if hit is not None:
             _LOWEST.move_to_end(key)
-            return _copy_for(hit[1], graph)
+            return _copy_for(hit, graph)
     t0 = time.perf_counter()
     name = default_backend() if backend == "auto" else backend
     g = coarse_graph(graph, coarsen_to)
@@ -131,15 +132,15 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     plan = replace(chosen, details=details, budget_bytes=chosen.predicted_peak_bytes,
                    solve_time_s=time.perf_counter() - t0)  # coarsening and the comparison included
     with _LOWEST_LOCK:
-        _LOWEST[key] = (graph, plan)
+        _LOWEST[key] = plan
         while len(_LOWEST) > CACHED_PROBLEMS:
             _LOWEST.popitem(last=False)
     return _copy_for(plan, graph)
 
 
 def _copy_for(plan: Plan, graph: TrainingGraph) -> Plan:
-    """A copy of the cached `plan` for `graph` (the same problem; its fingerprint may differ where
-    its meta records other traced bytes)."""
+    """A copy of the cached `plan` for `graph` (equal to the one it was made for; its fingerprint
+    may differ where its meta records other traced bytes)."""
     return replace(plan, details=copy.deepcopy(plan.details), graph=graph, graph_fingerprint=graph.fingerprint())
 
 
@@ -168,7 +169,7 @@ def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",
     resident for every t, k); plan.details says which one it is, and holds "peak_lower_bound",
     below which no plan exists. `solve` with the
     same options accepts every budget at or above this answer: this plan is its last fallback
-    (cached per planning problem). Options as in `solve` (mip_gap does not apply: kept for symmetry)."""
+    (cached per graph, equal graphs alike). Options as in `solve` (mip_gap does not apply: kept for symmetry)."""
     limits = make_limits(time_limit_s, max_nodes, mip_gap, threads)
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     plan = lowest_peak_plan(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
