@@ -306,15 +306,16 @@ def _simulate_arrays(graph: TrainingGraph, tab: _Tables, steps: list[int], end: 
     if not length:
         return None
     at = np.array(steps, dtype=np.int64)
+    step = np.arange(length)
     count = np.bincount(at, minlength=n)
     if (count == 0).any() or ((count > 1) & ~a.recomputable).any():
         return None  # a node never computed, or one computed again that may not be
     # every read (step, key) and every computed part (step, key) of the schedule
     deg = a.read_count[at]
-    read_step = np.repeat(np.arange(length), deg)
+    read_step = np.repeat(step, deg)
     read_key = a.read_keys[np.repeat(a.read_start[at] - np.cumsum(deg) + deg, deg) + np.arange(read_step.size)]
     parts = a.part_count[at]
-    made_step = np.repeat(np.arange(length), parts)
+    made_step = np.repeat(step, parts)
     made_key = np.repeat(a.first[at] - np.cumsum(parts) + parts, parts) + np.arange(made_step.size)
     # each read's instance: the key's latest computation before the read
     made_code = made_key * length + made_step
@@ -329,7 +330,6 @@ def _simulate_arrays(graph: TrainingGraph, tab: _Tables, steps: list[int], end: 
     delta = a.added[at] - np.bincount(freed, weights=a.part_bytes[made_key], minlength=length).astype(np.int64)
     tangent_bytes = sum(b for b, _ in graph.tangents) if end is not None else 0
     if end is not None and a.release_bytes.size:  # _releases, on the same arrays
-        step = np.arange(length)
         last = np.full(n, -1, dtype=np.int64)
         np.maximum.at(last, at, step)
         first = np.full(n, length, dtype=np.int64)

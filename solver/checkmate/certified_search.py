@@ -30,7 +30,7 @@ from remat.core.simulator import simulate
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
            "ROOT_WORK_ROWS", "ROOT_MIN_ITERATIONS", "ROOT_EXCHANGE_GAP", "RELAXATION_MAX_NODES", "RELAXATION_MAX_VARIABLES",
            "MIP_MAX_VARIABLES", "MIP_MAX_NODES", "ROOT_CUTS_GAP", "ROOT_CUTS_MAX_VARIABLES", "ROOT_CUTS_STALL",
-           "ROOT_CUTS_MAX_S"]
+           "ROOT_CUTS_MAX_S", "ROOT_CUTS_MIP_GAP"]
 
 PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
