@@ -2,7 +2,8 @@
 `benchmarks/certificates.py --more`: the solver's plans and certificates off the models it was
 tuned on. Decoders and encoders: 4 layers (BART: 2 + 2), width 128, batch 8 of 128 tokens (one row
 padded); vision: batch 8 of 64 x 64 pictures, 10 classes, Hugging Face's own implementations
-(torchvision's C ops do not load beside the CPU torch).
+(torchvision's C ops do not load beside the CPU torch). THIRD_MODELS (`--third`) were added after
+the solver's changes for the first two sets, to check it again on models it was not tuned on.
 
     m, kwargs = more_model("regnet")   # the model in train mode, and one training call's kwargs
 """
@@ -10,13 +11,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["more_model", "MORE_MODELS", "TEXT_MODELS", "VISION_MODELS"]
+__all__ = ["more_model", "MORE_MODELS", "TEXT_MODELS", "VISION_MODELS", "THIRD_MODELS"]
 
 TEXT_MODELS = ("mistral", "phi", "opt", "bart", "roberta", "distilbert",
                "gpt_neo", "falcon", "bloom", "gptj", "stablelm", "gemma", "starcoder2", "electra", "albert", "deberta_v2")
 VISION_MODELS = ("convnext", "hf_resnet18", "mobilenet_v2", "regnet", "deit",
                  "swin", "efficientnet", "mobilevit", "beit", "segformer")
 MORE_MODELS = TEXT_MODELS + VISION_MODELS
+# decoders with QK-norm (Qwen3), non-parametric norms (OLMo), fused projections (Phi-3), scaled
+# residuals (Granite), multi-query (GPT-BigCode), mixed-in rotary (CodeGen), mixture of experts
+# (Mixtral); encoders with relative position bias shared by the layers (MPNet), encoder-decoders
+# (Pegasus, mT5); vision transformers with layer scale (DINOv2), attention biases and BatchNorm
+# (LeViT), convolutional attention (CvT), SwinV2's scaled cosine attention; ConvNeXt-V2's global
+# response norm, PoolFormer, the bottleneck ResNet-50
+THIRD_MODELS = ("qwen3", "olmo", "phi3", "granite", "gpt_bigcode", "codegen", "mixtral", "xlm_roberta", "mpnet",
+                "pegasus", "mt5", "dinov2", "convnextv2", "poolformer", "cvt", "swinv2", "hf_resnet50", "levit")
 BATCH, SEQ, VOCAB, WIDTH = 8, 128, 128, 128
 
 
@@ -136,11 +145,64 @@ def _vision(name: str):
     raise ValueError(name)
 
 
+def _third(name: str):
+    import transformers as tf
+
+    ids, mask, g = _text_batch()
+    lm = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False)
+    mlm = dict(input_ids=ids, attention_mask=mask, labels=ids)
+    seq2seq = dict(input_ids=ids, attention_mask=mask, labels=torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=g),
+                   use_cache=False)
+    pictures = dict(pixel_values=torch.randn(BATCH, 3, 64, 64, generator=g),
+                    labels=torch.randint(0, 10, (BATCH,), generator=g))
+    common = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4,
+                  max_position_embeddings=SEQ, num_hidden_layers=4)
+    encoder = {**common, "max_position_embeddings": SEQ + 2}
+    stages = dict(num_labels=10, depths=[2, 2, 4, 2], hidden_sizes=[32, 64, 128, 256])
+    build = {
+        "qwen3": lambda: (tf.Qwen3ForCausalLM(tf.Qwen3Config(num_key_value_heads=2, head_dim=32, **common)), lm),
+        "olmo": lambda: (tf.OlmoForCausalLM(tf.OlmoConfig(**common)), lm),
+        "phi3": lambda: (tf.Phi3ForCausalLM(tf.Phi3Config(pad_token_id=0, **common)), lm),
+        "granite": lambda: (tf.GraniteForCausalLM(tf.GraniteConfig(**common)), lm),
+        "gpt_bigcode": lambda: (tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=WIDTH, n_layer=4,
+                                                                             n_head=4, n_positions=SEQ)), lm),
+        "codegen": lambda: (tf.CodeGenForCausalLM(tf.CodeGenConfig(vocab_size=VOCAB, n_embd=WIDTH, n_layer=4, n_head=4,
+                                                                   n_positions=SEQ, rotary_dim=16)), lm),
+        "mixtral": lambda: (tf.MixtralForCausalLM(tf.MixtralConfig(**{**common, "num_hidden_layers": 2},
+                                                                   num_local_experts=4, num_experts_per_tok=2,
+                                                                   num_key_value_heads=2)), lm),
+        "xlm_roberta": lambda: (tf.XLMRobertaForMaskedLM(tf.XLMRobertaConfig(**encoder)), mlm),
+        "mpnet": lambda: (tf.MPNetForMaskedLM(tf.MPNetConfig(**encoder)), mlm),
+        "pegasus": lambda: (tf.PegasusForConditionalGeneration(tf.PegasusConfig(
+            vocab_size=VOCAB, d_model=WIDTH, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH,
+            max_position_embeddings=SEQ)), seq2seq),
+        "mt5": lambda: (tf.MT5ForConditionalGeneration(tf.MT5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=32,
+                                                                    d_ff=2 * WIDTH, num_layers=2, num_heads=4)), seq2seq),
+        "dinov2": lambda: (tf.Dinov2ForImageClassification(tf.Dinov2Config(
+            image_size=64, patch_size=8, hidden_size=WIDTH, num_hidden_layers=4, num_attention_heads=4,
+            num_labels=10)), pictures),
+        "convnextv2": lambda: (tf.ConvNextV2ForImageClassification(tf.ConvNextV2Config(**stages)), pictures),
+        "poolformer": lambda: (tf.PoolFormerForImageClassification(tf.PoolFormerConfig(**stages)), pictures),
+        "cvt": lambda: (tf.CvtForImageClassification(tf.CvtConfig(num_labels=10, embed_dim=[32, 64, 128], depth=[1, 2, 4],
+                                                                   num_heads=[1, 2, 4])), pictures),
+        "swinv2": lambda: (tf.Swinv2ForImageClassification(tf.Swinv2Config(
+            image_size=64, patch_size=4, embed_dim=32, depths=[2, 2, 2], num_heads=[2, 4, 8], window_size=4,
+            num_labels=10)), pictures),
+        "hf_resnet50": lambda: (tf.ResNetForImageClassification(tf.ResNetConfig(num_labels=10)), pictures),
+        "levit": lambda: (tf.LevitForImageClassification(tf.LevitConfig(image_size=64, num_labels=10)), pictures),
+    }
+    return build[name]()
+
+
 def more_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
-    """`name` (one of MORE_MODELS) in train mode with its weights drawn from `seed`, and the
-    keyword arguments of one training call."""
-    if name not in MORE_MODELS:
-        raise ValueError(f"unknown model {name!r}; one of {MORE_MODELS}")
+    """`name` (one of MORE_MODELS or THIRD_MODELS) in train mode with its weights drawn from
+    `seed`, and the keyword arguments of one training call."""
+    if name not in MORE_MODELS + THIRD_MODELS:
+        raise ValueError(f"unknown model {name!r}; one of {MORE_MODELS + THIRD_MODELS}")
     torch.manual_seed(seed)
-    model, kwargs = _vision(name) if name in VISION_MODELS else _text(name)
+    if name in THIRD_MODELS:
+        model, kwargs = _third(name)
+    else:
+        model, kwargs = _vision(name) if name in VISION_MODELS else _text(name)
     return model.train(), kwargs

@@ -77,7 +77,8 @@ def classes(rel: Relaxation) -> list[list[int]]:
 def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float = 1e-4,
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
             time_limit_s: float | None = None, on_solution=None, on_lp=None,
-            root_iterations: int | None = None, on_simplex=None) -> Certificate:
+            root_iterations: int | None = None, on_simplex=None,
+            early_stall: tuple[int, float] | None = None) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's, never
@@ -85,7 +86,10 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     root LP stopped by it, or by the time limit, proves nothing: the bound is 0, stopped_by "root
     LP limit"). on_lp(lps, bound, incumbent, work), if given, is called after each branching
     (work: the share of the simplex iteration limit spent, None without one), on_simplex(iterations)
-    every SIMPLEX_REPORT iterations of an LP (progress)."""
+    every SIMPLEX_REPORT iterations of an LP (progress). early_stall (lps, gap): also stalled after
+    that many LPs where none since the root's two children raised the bound and the gap left is
+    over `gap` (relative to the incumbent): branching that does not work from its start, for a caller
+    with a stronger bound to run next."""
     import highspy
 
     t0 = time.perf_counter()
@@ -165,7 +169,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
         if value > last_rise[0] + max(STALL_RISE * (incumbent - last_rise[0]) if incumbent < math.inf else 0.0,
                                       1e-9 * abs(last_rise[0]) + 1e-12):
             last_rise[:] = [value, lps]
-        elif lps - last_rise[1] >= STALL:
+        elif lps - last_rise[1] >= STALL or early_stall is not None and last_rise[1] <= 3 \
+                and lps >= early_stall[0] and incumbent - value > early_stall[1] * incumbent:
             stopped = "stalled"
             break
         if time_limit_s is not None and time.perf_counter() - t0 >= time_limit_s:
