@@ -30,7 +30,7 @@ from remat.core.simulator import simulate
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
            "ROOT_WORK_ROWS", "ROOT_MIN_ITERATIONS", "ROOT_EXCHANGE_GAP", "RELAXATION_MAX_NODES", "RELAXATION_MAX_VARIABLES",
            "MIP_MAX_VARIABLES", "MIP_MAX_NODES", "ROOT_CUTS_GAP", "ROOT_CUTS_MAX_VARIABLES", "ROOT_CUTS_STALL",
-           "ROOT_CUTS_MAX_S", "ROOT_CUTS_MIP_GAP", "ROOT_CUTS_AFTER_LPS"]
+           "ROOT_CUTS_MAX_S", "ROOT_CUTS_MIP_GAP"]
 
 PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
@@ -85,13 +85,6 @@ MIP_MAX_NODES = 200  # ... under a deterministic node limit
 ROOT_CUTS_GAP = 0.05
 ROOT_CUTS_MAX_VARIABLES = 100_000
 ROOT_CUTS_STALL = 3
-# Where the root cuts can follow, the branch and bound counts as stalled after this many LPs if no
-# LP after the root's first branching raised its bound and its gap is over ROOT_CUTS_GAP: on RegNet
-# and LeViT (a third-set model of benchmarks/certificates.py) the bound did not rise in the 20 LPs
-# that branch_and_bound.STALL waits, ~0.4 s each, before the cuts raised it. Where it rose
-# (MPNet: at 5, 11, 13 and 27 LPs), the branch and bound goes on as before: cutting it short at 8
-# flat LPs lost its rise at 27, and the cuts gave less there
-ROOT_CUTS_AFTER_LPS = 8
 ROOT_CUTS_MAX_S = 20.0
 ROOT_CUTS_MIP_GAP = 1e-6  # HiGHS's relative gap there
 
@@ -205,11 +198,9 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         else:
             progress.note(lp_iterations=iterations)
 
-    cuts_follow = MIP_MAX_VARIABLES < rel.model.num_vars <= ROOT_CUTS_MAX_VARIABLES
     cert = certify(rel, incumbent=best[1] / cs, target_gap=mip_gap, max_iterations=max_iterations,
                    work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution,
-                   on_lp=on_lp, root_iterations=root_iterations, on_simplex=on_simplex,
-                   early_stall=(ROOT_CUTS_AFTER_LPS, ROOT_CUTS_GAP) if cuts_follow else None)
+                   on_lp=on_lp, root_iterations=root_iterations, on_simplex=on_simplex)
     if cert.infeasible:
         details["infeasible_row"] = None
         return CertifiedResult(None, math.inf, math.inf, details)
