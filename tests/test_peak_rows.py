@@ -110,3 +110,30 @@ def test_a_dominant_loss_head_is_proved_optimal_by_its_row():
     assert "certify" not in plan.details  # the whole step's relaxation was not needed
     assert plan.extra_cost == pytest.approx(5.0)  # five norms recomputed, the cheapest 500 bytes
     assert plan.lower_bound == pytest.approx(5.0, rel=1e-6)
+
+
+def test_several_rows_keep_a_dropped_part_dropped_until_it_is_computed_again(monkeypatch):
+    """Rows together: a part live at a row was live at the row before or computed in between
+    (peak_rows._keep_rows). Without it a value dropped before one row could be live at the next
+    for free; with it the MILP of every row over the budget reaches the brute-force optimum on
+    these chains, and never exceeds it."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    def bound(g, rows):
+        rm = rows_model(g, rows)
+        sol = rm.model.solve(integral=True)
+        return peak_rows._bound(sol.bound, rm, g, peak_rows.MILP_SAFETY)
+
+    raised = 0
+    for g, budget in ((training_chain(8, 3), 69), (training_chain(9, 5), 70), (training_chain(8, 0), 63),
+                      (training_chain(7, 4), 64)):
+        best, _ = brute_force(g, budget)
+        rows = over_budget_rows(g, budget)
+        with_keep = bound(g, rows)
+        with monkeypatch.context() as m:
+            m.setattr(peak_rows, "_keep_rows", lambda *args: None)
+            without = bound(g, rows)
+        assert without <= with_keep + 1e-9 and with_keep <= best - g.total_cost + 1e-9, g.name
+        assert with_keep == pytest.approx(best - g.total_cost, rel=1e-5), g.name
+        raised += with_keep > without + 1e-6
+    assert raised == 3
