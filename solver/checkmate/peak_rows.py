@@ -29,9 +29,9 @@ counts a computation in every interval, so one recomputation cannot pay for two 
 at different times; and a part live at a row was live at the row before (of those that model it)
 or its node was computed in between, so a value dropped before one row cannot be live again at
 the next for free (LeViT at half its activation memory, rows 724, 837, 840 and 843: 1.124% ->
-1.251%, against a plan of 1.323%). `peak_rows_search` solves single rows, cheapest first: the LPs of up to MAX_ROWS
-rows, then the MILPs of the rows of largest LP bound (the plans), stopping once a plan is within
-the gap asked for.
+1.251%, against a plan of 1.323%). `peak_rows_search` solves single rows, cheapest first: the
+LPs of up to MAX_ROWS rows, then the MILPs of the rows of largest LP bound (the plans), stopping
+once a plan is within the gap asked for.
 
 A plan: a row MILP's solution read as drops (before the row, every node it computes again and
 every item it does not hold forgotten, each computed again where it is next read: guided.py's
