@@ -26,12 +26,10 @@ relaxation of the whole step (solver/checkmate/relaxation.py) has some per node 
 Several rows together (`rows_model`) share their nodes: between consecutive rows j and j + 1 a
 node is computed again or not (s[j, v]), each row keeps its own constraints, and the objective
 counts a computation in every interval, so one recomputation cannot pay for two rows that need it
-at different times; and a part live at a row was live at the row before (of those that model it)
-or its node was computed in between, so a value dropped before one row cannot be live again at
-the next for free (LeViT at half its activation memory, rows 724, 837, 840 and 843: 1.124% ->
-1.251%, against a plan of 1.323%). `peak_rows_search` solves single rows, cheapest first: the
-LPs of up to MAX_ROWS rows, then the MILPs of the rows of largest LP bound (the plans), stopping
-once a plan is within the gap asked for.
+at different times; a part live at a row was live at the one before or computed since (LeViT,
+rows 724, 837, 840, 843: 1.124% -> 1.251%). `peak_rows_search` solves single rows, cheapest
+first: the LPs of up to MAX_ROWS rows, then the MILPs of the rows of largest LP bound (the
+plans), stopping once a plan is within the gap asked for.
 
 A plan: a row MILP's solution read as drops (before the row, every node it computes again and
 every item it does not hold forgotten, each computed again where it is next read: guided.py's
@@ -224,10 +222,9 @@ def rows_model(graph: TrainingGraph, rows: list[Row], readers: dict | None = Non
 
 
 def _keep_rows(m: SparseModel, rows: list[Row], s: dict, h: dict) -> None:
-    """h[j2, p] <= h[j, p] + s[j, u] + ... + s[j2 - 1, u] for the rows j < j2 that model part p
-    (of node u) next to each other: live at row j2, so live at row j or computed in between. Only
-    where u comes before row j's node (so u's computations after row j are recomputations, in one
-    of those intervals) and every interval has its s: otherwise nothing is said."""
+    """h[j2, p] <= h[j, p] + s[j, u] + ... + s[j2 - 1, u] for consecutive rows j < j2 modelling part
+    p of node u (live at j2: live at j or computed between), where u precedes row j's node (its later
+    computations fall in those intervals) and each interval has its s."""
     by_part: dict = {}
     for (j, p), col in h.items():
         by_part.setdefault(p, []).append((j, col))
