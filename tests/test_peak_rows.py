@@ -1,4 +1,5 @@
-"""The rows' model (solver/checkmate/peak_rows.py) is a relaxation, and what it proves holds.
+"""The rows' model (solver/checkmate/rows_model.py) is a relaxation, and what the rows' search
+(peak_rows.py) proves from it holds.
 
 Every schedule whose first computations follow the graph's order and that fits the budget must be
 a point of the model of the rows keep-all puts over that budget, at an objective no higher than
@@ -16,7 +17,8 @@ import pytest
 from remat.core.simulator import simulate
 from remat.core.training_graph import Node, TrainingGraph
 from remat.solver import checkmate
-from remat.solver.checkmate.peak_rows import over_budget_rows, peak_rows_search, point_of_schedule, rows_model
+from remat.solver.checkmate.peak_rows import peak_rows_search
+from remat.solver.checkmate.rows_model import over_budget_rows, point_of_schedule, rows_model
 from remat.solver.schedule import keep_all_schedule
 from tests.conftest import brute_force, random_dag, random_schedule, training_chain, transformer_like
 
@@ -114,10 +116,11 @@ def test_a_dominant_loss_head_is_proved_optimal_by_its_row():
 
 def test_several_rows_keep_a_dropped_part_dropped_until_it_is_computed_again(monkeypatch):
     """Rows together: a part live at a row was live at the row before or computed in between
-    (peak_rows._keep_rows). Without it a value dropped before one row could be live at the next
+    (rows_model._keep_rows). Without it a value dropped before one row could be live at the next
     for free; with it the MILP of every row over the budget reaches the brute-force optimum on
     these chains, and never exceeds it."""
     import remat.solver.checkmate.peak_rows as peak_rows
+    import remat.solver.checkmate.rows_model as rows_module
 
     def bound(g, rows):
         rm = rows_model(g, rows)
@@ -131,9 +134,29 @@ def test_several_rows_keep_a_dropped_part_dropped_until_it_is_computed_again(mon
         rows = over_budget_rows(g, budget)
         with_keep = bound(g, rows)
         with monkeypatch.context() as m:
-            m.setattr(peak_rows, "_keep_rows", lambda *args: None)
+            m.setattr(rows_module, "_keep_rows", lambda *args: None)
             without = bound(g, rows)
         assert without <= with_keep + 1e-9 and with_keep <= best - g.total_cost + 1e-9, g.name
         assert with_keep == pytest.approx(best - g.total_cost, rel=1e-5), g.name
         raised += with_keep > without + 1e-6
     assert raised == 3
+
+
+@pytest.mark.parametrize("n, seed, budget", [(8, 8, 69), (9, 2, 86), (10, 1, 86)])
+def test_the_rows_of_each_binding_stretch_together_prove_what_single_rows_cannot(n, seed, budget, monkeypatch):
+    """Two runs of over-budget steps: no single row's MILP proves the optimum; the MILP of a row
+    per run proves it and reads a plan at it (the brute force's optimum)."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    res = peak_rows_search(g, budget, mip_gap=1e-4)
+    together = [s for s in res.details["solves"] if s["rows"] > 1]
+    assert len(together) == 1 and together[0]["integral"]
+    assert res.extra_cost == pytest.approx(optimum)
+    assert simulate(g, res.schedule).peak_bytes <= budget
+    assert optimum * (1 - 1e-4) <= res.bound <= optimum + 1e-9
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 1)  # single rows only
+    alone = peak_rows_search(g, budget, mip_gap=1e-4)
+    assert alone.bound < optimum * (1 - 1e-3)
