@@ -1,4 +1,4 @@
-"""The rows' model (solver/checkmate/rows_model.py) is a relaxation, and what the rows' search
+"""The rows' model (solver/checkmate/row_models.py) is a relaxation, and what the rows' search
 (peak_rows.py) proves from it holds.
 
 Every schedule whose first computations follow the graph's order and that fits the budget must be
@@ -18,7 +18,7 @@ from remat.core.simulator import simulate
 from remat.core.training_graph import Node, TrainingGraph
 from remat.solver import checkmate
 from remat.solver.checkmate.peak_rows import peak_rows_search
-from remat.solver.checkmate.rows_model import over_budget_rows, point_of_schedule, rows_model
+from remat.solver.checkmate.row_models import over_budget_rows, point_of_schedule, rows_model
 from remat.solver.schedule import keep_all_schedule
 from tests.conftest import brute_force, random_dag, random_schedule, training_chain, transformer_like
 
@@ -116,11 +116,11 @@ def test_a_dominant_loss_head_is_proved_optimal_by_its_row():
 
 def test_several_rows_keep_a_dropped_part_dropped_until_it_is_computed_again(monkeypatch):
     """Rows together: a part live at a row was live at the row before or computed in between
-    (rows_model._keep_rows). Without it a value dropped before one row could be live at the next
+    (row_models._keep_rows). Without it a value dropped before one row could be live at the next
     for free; with it the MILP of every row over the budget reaches the brute-force optimum on
     these chains, and never exceeds it."""
     import remat.solver.checkmate.peak_rows as peak_rows
-    import remat.solver.checkmate.rows_model as rows_module
+    import remat.solver.checkmate.row_models as row_models
 
     def bound(g, rows):
         rm = rows_model(g, rows)
@@ -134,7 +134,7 @@ def test_several_rows_keep_a_dropped_part_dropped_until_it_is_computed_again(mon
         rows = over_budget_rows(g, budget)
         with_keep = bound(g, rows)
         with monkeypatch.context() as m:
-            m.setattr(rows_module, "_keep_rows", lambda *args: None)
+            m.setattr(row_models, "_keep_rows", lambda *args: None)
             without = bound(g, rows)
         assert without <= with_keep + 1e-9 and with_keep <= best - g.total_cost + 1e-9, g.name
         assert with_keep == pytest.approx(best - g.total_cost, rel=1e-5), g.name

@@ -9,7 +9,8 @@ lower bound on what any plan must recompute.
      fine graph (solver/refine.py);
   2. certify (certify.py): the bound and plans of the rows over the budget (peak_rows.py): for
      each step that keeping everything puts over the budget, a small model of what any plan must
-     recompute to fit there (rows_model.py), alone and a few together; when the best plan is within `mip_gap` of it, that is the proof;
+     recompute to fit there (row_models.py), alone and a few together; when the best plan is
+     within `mip_gap` of it, that is the proof;
      otherwise the certified search on the fine graph (certified_search.py): a relaxation of the
      problem (relaxation.py, relaxation_rows.py, solved on HiGHS by sparse_lp.py) whose LP is
      branched on (branch_and_bound.py), each LP solution turned into plans (guided.py,

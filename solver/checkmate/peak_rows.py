@@ -1,6 +1,6 @@
 """A lower bound and plans from the steps where keeping everything is over the budget (the rows).
 
-Each row's model (solver/checkmate/rows_model.py) bounds the extra cost of every schedule whose
+Each row's model (solver/checkmate/row_models.py) bounds the extra cost of every schedule whose
 first computations follow the graph's order, and the largest over the rows is a bound too.
 `peak_rows_search` solves them in stages of growing cost, stopping once a plan is within the gap
 asked for: the LPs of single rows (up to MAX_ROWS), the MILPs of the SINGLE_MILPS rows of largest
@@ -27,7 +27,7 @@ from remat.core.simulator import simulate
 from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.guided import fit
 from remat.solver.checkmate.relaxation import SAFETY
-from remat.solver.checkmate.rows_model import Row, RowsModel, keep_all_steps, over_budget_rows, part_readers, rows_model
+from remat.solver.checkmate.row_models import Row, RowsModel, keep_all_steps, over_budget_rows, part_readers, rows_model
 from remat.solver.refine import drop_recomputations
 from remat.solver.schedule import keep_all_schedule
 
@@ -40,8 +40,9 @@ SINGLE_MILPS = 3  # rows of largest LP bound whose own MILP is solved and made a
 # Then, where no plan is within the gap, the MILP of one row per run of consecutive over-budget
 # steps together (the run's row of largest LP bound), at most this many: one plan that fits every
 # binding stretch of the step. At half the activation memory of the 59 models of
-# benchmarks/certificates.py (2-9 runs, 240-10.7k variables, 0.0-5.3 s) its plan costs its own bound
-# on 13 of them, where the certified search left gaps (LeViT 14.1%, SwinV2 2.2%, RegNet 1.2%). Not
+# benchmarks/certificates.py (2-9 runs, 240-10.7k variables, 0.0-5.3 s) its plan meets its own bound
+# on 13 of them, three of them gaps the whole step's relaxation had left (LeViT 14.1%, SwinV2 2.2%,
+# RegNet 1.2%). Not
 # every row: 48 rows together raised the bound 1-3% (relative) over the best single row on the
 # compare.py transformers for 10 s of LP, and their MILP (16 rows) took 90 s on a 269-node GPT.
 MULTI_MAX_ROWS = 12
