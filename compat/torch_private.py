@@ -28,6 +28,7 @@ Entry points (what each is for):
 * `is_input_mutation_output(desc)`: whether a joint-graph output descriptor is a mutated input;
 * `compile_session()`: hold `torch.compiler.is_compiling()` true, as torch.compile does;
 * `profiler_events(prof)`: the profiler's raw event list ([memory] events included);
+* `profiler_allocations(prof)`: the profile's allocations and frees with their addresses;
 * `compiled_submodules(model)`: which modules torch.compile wrapped (`torch.compile(m)`, `m.compile()`);
 * `inductor_compile(fn, inputs, is_backward)`: Inductor's compiler for one already-partitioned
   forward or backward graph (what torch.compile runs after its own partitioner);
@@ -40,6 +41,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -52,7 +54,8 @@ __all__ = ["TESTED_TORCH", "pytree", "disable_current_modes", "disable_torch_fun
            "aot_export_joint", "joint_needs_autograd", "joint_graph", "joint_state_names", "aot_compile_joint",
            "as_partitioner_runs", "default_partition", "extract_fwd_bwd_modules",
            "allow_retained_backward", "backward_keeps_graph",
-           "is_input_mutation_output", "compile_session", "profiler_events", "compiled_submodules",
+           "is_input_mutation_output", "compile_session", "profiler_events", "profiler_allocations",
+           "compiled_submodules",
            "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake"]
 
 # The torch releases the tests of this module passed on (pyproject pins the same range).
@@ -235,6 +238,29 @@ def profiler_events(prof: torch.profiler.profile) -> list:
     with profile_memory=True, "[memory]" events with `nbytes()` (+ alloc, - free), `start_ns()`,
     `device_type()`. Public `prof.events()` aggregates away the memory events' order."""
     return list(prof.profiler.kineto_results.events())
+
+
+class Allocation(NamedTuple):
+    """One allocation (`nbytes` > 0) or free (`nbytes` < 0) a profile with profile_memory=True saw."""
+    time_ns: int  # on the clock of `profiler_events`' start_ns()
+    nbytes: int
+    ptr: int  # the block's address
+    device: str  # "cpu", "cuda", ...
+
+
+def profiler_allocations(prof: torch.profiler.profile) -> list[Allocation]:
+    """The allocations and frees of a finished profile, in no particular order. Unlike the
+    "[memory]" events of `profiler_events` these carry the block's address (the event tree's
+    Allocation events), which tells a free of a block the profile saw allocated from one it did not."""
+    allocation = torch._C._profiler._EventType.Allocation
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == allocation:
+            f = event.extra_fields
+            out.append(Allocation(event.start_time_ns, int(f.alloc_size), int(f.ptr), f.device.type))
+    return out
 
 
 def compiled_submodules(model: torch.nn.Module) -> list[str]:

@@ -4,7 +4,7 @@ and the bytes tensors' storages hold.
 Shared by workspace probing (graph_capture/workspace.py, one op at a time) and by measuring a whole
 training step (remat/measure.py), which must count bytes the same way for the simulator's
 predictions to equal the measurements: a storage counts once however many tensors view it, and the
-profiler's "[memory]" events (+ bytes allocated, - bytes freed) are summed in time order.
+profiler's allocations (+ bytes) and frees (- bytes) are summed in time order.
 """
 from __future__ import annotations
 
@@ -61,19 +61,31 @@ def distinct_storage_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[to
     return total
 
 
-def memory_peak(events: list, start_ns: int | None = None, end_ns: int | None = None) -> int:
-    """The highest running sum, in time order, of the CPU "[memory]" events among `events` (a
-    profile's raw events, `remat.compat.torch_private.profiler_events`) that start within
+def memory_peak(allocations: Iterable, start_ns: int | None = None, end_ns: int | None = None) -> int:
+    """The highest running sum, in time order, of the CPU allocations and frees among `allocations`
+    (a profile's, `remat.compat.torch_private.profiler_allocations`) that happen within
     [start_ns, end_ns] (None: unbounded): the most bytes the window allocated on top of what was
-    live when it began, as an allocator without caching would hold them."""
-    cpu = torch.autograd.DeviceType.CPU
-    mem = [e for e in events if e.name() == "[memory]" and e.device_type() == cpu
-           and (start_ns is None or e.start_ns() >= start_ns) and (end_ns is None or e.start_ns() <= end_ns)]
-    mem.sort(key=lambda e: e.start_ns())  # stable: events of the same instant keep their order
+    live when it began, as an allocator without caching would hold them.
+
+    A free counts only where the profile saw its block allocated, at that allocation's size. The
+    profiler's CPU memory reporter remembers the size of every block allocated while it profiles,
+    and forgets it only when the block is freed while it profiles: a block that outlives one profile
+    leaves its size behind, and a later block at the same address, allocated outside any profile
+    and freed inside one, is reported freed at that stale size. Counted, such frees (of memory the
+    profiled code never allocated) would lower the peak by a different amount on every run."""
+    cpu = sorted((a for a in allocations if a.device == "cpu"), key=lambda a: a.time_ns)  # stable
+    blocks: dict[int, int] = {}  # address -> bytes of the block allocated there, while it lives
     live = peak = 0
-    for e in mem:
-        live += e.nbytes()
-        peak = max(peak, live)
+    for a in cpu:
+        if a.nbytes > 0:
+            blocks[a.ptr] = change = a.nbytes
+        elif a.ptr in blocks:
+            change = -blocks.pop(a.ptr)
+        else:
+            continue
+        if (start_ns is None or a.time_ns >= start_ns) and (end_ns is None or a.time_ns <= end_ns):
+            live += change
+            peak = max(peak, live)
     return peak
 
 

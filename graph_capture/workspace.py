@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, record_function
 
 from remat.core.progress import stage
 from remat.graph_capture.rng_replay import probe_callable
-from remat.compat.torch_private import disable_current_modes, profiler_events
+from remat.compat.torch_private import disable_current_modes, profiler_allocations, profiler_events
 from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peak, quiet_profile,
                                            storage_bytes)
 
@@ -205,7 +205,7 @@ def _run_cases(cases: list[Case], device: torch.device, allocator: str, progress
             inputs = (args, list(kwargs.values()))
             outs.append((_out_bytes(out, inputs), _storages(out, inputs)))
             del out, args, kwargs  # outside the range: their frees are not part of the op
-    events = profiler_events(prof)
+    events, allocations = profiler_events(prof), profiler_allocations(prof)
     ranges = {}
     for e in events:
         if e.name().startswith("remat_probe_"):
@@ -213,7 +213,7 @@ def _run_cases(cases: list[Case], device: torch.device, allocator: str, progress
     for i, (key, _, _) in enumerate(cases):
         if outs[i] is None or i not in ranges:
             continue
-        results[key] = (memory_peak(events, *ranges[i]) - outs[i][0], outs[i][1])
+        results[key] = (memory_peak(allocations, *ranges[i]) - outs[i][0], outs[i][1])
     return results
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import flop_registry
 
-from remat.compat.torch_private import profiler_events
+from remat.compat.torch_private import profiler_allocations
 # quiet_profile is re-exported: the profiler without Kineto's USDT lines on stderr
 from remat.graph_capture.profiling import distinct_storage_bytes, memory_peak, quiet_profile
 
@@ -46,7 +46,8 @@ def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str 
     on the device counts by itself). CPU: the bytes of `resident` (modules and tensors live before
     the call, e.g. the model and its inputs) plus the highest running sum of the profiler's
     allocation and free events during the call, i.e. live tensor bytes the way an allocator
-    without caching would count them.
+    without caching would count them (a free counts only where the call allocated the block:
+    see `remat.graph_capture.profiling.memory_peak`).
 
     `device` None: measured where the work is, CUDA when any of `resident` is on a GPU (or, with
     nothing resident given, when CUDA holds memory in this process), else CPU."""
@@ -62,7 +63,7 @@ def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str 
 
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         fn()
-    return resident_bytes(resident) + memory_peak(profiler_events(prof))
+    return resident_bytes(resident) + memory_peak(profiler_allocations(prof))
 
 
 # Where each convolution op keeps (stride, padding, dilation, transposed, output_padding), by argument

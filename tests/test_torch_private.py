@@ -227,6 +227,16 @@ def test_profiler_events_have_ordered_memory_events():
     assert all(e.device_type() == torch.autograd.DeviceType.CPU for e in mem), _fail("profiler_events", "device")
 
 
+def test_profiler_allocations_carry_address_size_and_device():
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        ptr = a.data_ptr()
+        del a
+    seen = sorted((x for x in tp.profiler_allocations(prof) if x.ptr == ptr), key=lambda x: x.time_ns)
+    assert [(x.nbytes, x.device) for x in seen] == [(1 << 20, "cpu"), (-(1 << 20), "cpu")], \
+        _fail("profiler_allocations", f"allocations at the block's address {seen}")
+
+
 def test_fake_tensor_mode_makes_tensors_without_data():
     mode = tp.fake_tensor_mode()
     with mode:
