@@ -160,3 +160,26 @@ def test_the_rows_of_each_binding_stretch_together_prove_what_single_rows_cannot
     monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 1)  # single rows only
     alone = peak_rows_search(g, budget, mip_gap=1e-4)
     assert alone.bound < optimum * (1 - 1e-3)
+
+
+@pytest.mark.parametrize("n, seed, budget", [(8, 1, 63), (9, 0, 86), (9, 3, 99)])
+def test_the_rows_a_plan_misses_added_prove_what_the_rows_together_could_not(n, seed, budget, monkeypatch):
+    """With two rows together at most, their MILP's plan is over the budget at a third run of steps:
+    going on from it (more_rows_from), the rows there are added and the MILP proves the brute
+    force's optimum; over GENERATION_MAX_VARIABLES the round is not solved and says why."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    assert first.together is not None and first.bound < optimum * (1 - 1e-3)
+    more = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
+    assert [s["rows"] for s in more.details["solves"]] == [len(first.together[0]) + 1]
+    assert optimum * (1 - 1e-4) <= more.bound <= optimum + 1e-9
+    if more.schedule is not None:
+        assert simulate(g, more.schedule).peak_bytes <= budget and more.extra_cost >= optimum - 1e-9
+    monkeypatch.setattr(peak_rows, "GENERATION_MAX_VARIABLES", 10)
+    capped = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
+    assert "variables > 10" in capped.details["not_solved"] and not capped.details["solves"]

@@ -18,6 +18,7 @@ guided.fit, for graphs too large for the relaxation.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,14 +26,14 @@ from dataclasses import dataclass, field
 from remat.core.progress import stage
 from remat.core.simulator import simulate
 from remat.core.training_graph import TrainingGraph
-from remat.solver.checkmate.guided import fit
+from remat.solver.checkmate.guided import fit, schedule_from_live
 from remat.solver.checkmate.relaxation import SAFETY
 from remat.solver.checkmate.row_models import Row, RowsModel, keep_all_steps, over_budget_rows, part_readers, rows_model
 from remat.solver.refine import drop_recomputations
 from remat.solver.schedule import keep_all_schedule
 
-__all__ = ["PeakRowsResult", "peak_rows_search", "MAX_ROWS", "SINGLE_MILPS", "MULTI_MAX_ROWS", "ROWS_MAX_NODES",
-           "MILP_SAFETY", "peak_floor", "lowest_peak_by_rows"]
+__all__ = ["PeakRowsResult", "peak_rows_search", "MAX_ROWS", "SINGLE_MILPS", "MULTI_MAX_ROWS", "GENERATION_ROUNDS",
+           "GENERATION_NEW_ROWS", "GENERATION_MAX_VARIABLES", "ROWS_MAX_NODES", "MILP_SAFETY", "peak_floor", "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
 MILP_SAFETY = 5e-7  # relative margin taken off a MILP's dual bound (HiGHS's tolerances); the bound never exceeds the rows' own plan either
@@ -46,6 +47,16 @@ SINGLE_MILPS = 3  # rows of largest LP bound whose own MILP is solved and made a
 # every row: 48 rows together raised the bound 1-3% (relative) over the best single row on the
 # compare.py transformers for 10 s of LP, and their MILP (16 rows) took 90 s on a 269-node GPT.
 MULTI_MAX_ROWS = 12
+# Where the certified search leaves a large gap (solver/checkmate/certify.py), the rows' search goes on
+# from its several rows' MILP: the rows where that MILP's plan, as read, is over the budget are added
+# (GENERATION_NEW_ROWS of largest excess), and the MILP solved again, GENERATION_ROUNDS times at most,
+# where it has GENERATION_MAX_VARIABLES variables or fewer (a work limit: HiGHS's root alone, not its
+# branching, takes the time). At half the activation memory: DINOv2 (7 rows, 1.2k variables) gap 6.8% ->
+# 0% in 5 s; above the limit MPNet (2.7k) 12.4% -> 4.3% and BEiT (8.4k) 10.9% -> 3.7% (a plan 7% cheaper),
+# but in 17 and 27 s, where the whole solve should take 20.
+GENERATION_ROUNDS = 1
+GENERATION_NEW_ROWS = 3
+GENERATION_MAX_VARIABLES = 2000
 # branch-and-bound nodes of a rows' MILP (a work limit: the plan must not depend on the machine's load)
 ROWS_MAX_NODES = 2000
 
@@ -59,6 +70,7 @@ class PeakRowsResult:
     schedule: list[str] | None
     extra_cost: float
     details: dict = field(default_factory=dict)
+    together: tuple | None = None  # the last several rows' MILP: (its rows' steps, its solution's drops), to go on from
 
 
 def _chosen_rows(rows: list[Row], limit: int) -> list[Row]:
@@ -93,10 +105,9 @@ def _bound(value: float, rm: RowsModel, graph: TrainingGraph, margin: float = SA
     return max(0.0, value * rm.cost_scale * (1 - margin) - SAFETY * 1e-3 * graph.total_cost)
 
 
-def _plan(graph: TrainingGraph, rm: RowsModel, x, budget: int) -> list[str] | None:
-    """The schedule of a MILP solution: before each row, every node it computes again after the
-    row and every item it does not hold there forgotten (each is computed again where it is next
-    read), made to fit (not yet refined); None when it cannot be made to fit."""
+def _drops(graph: TrainingGraph, rm: RowsModel, x) -> list[set[int]]:
+    """A MILP solution as drops: before each row, every node it computes again after the row and
+    every item it does not hold there (each is computed again where it is next read)."""
     drops: list[set[int]] = [set() for _ in graph.nodes]
     for (j, v), col in rm.s.items():
         if x[col] > 0.5:
@@ -104,20 +115,51 @@ def _plan(graph: TrainingGraph, rm: RowsModel, x, budget: int) -> list[str] | No
     for (j, p), col in rm.h.items():
         if p in rm.rows[j].items and x[col] < 0.5:
             drops[max(rm.rows[j].step - 1, 0)].add(p[0])
-    return fit(graph, drops, budget)
+    return drops
+
+
+def _plan(graph: TrainingGraph, rm: RowsModel, x, budget: int) -> list[str] | None:
+    """The schedule of a MILP solution (its drops), made to fit (not yet refined); None when it
+    cannot be made to fit."""
+    return fit(graph, _drops(graph, rm, x), budget)
+
+
+def _rows_it_misses(graph: TrainingGraph, drops: list[set[int]], modelled: set[int], budget: int,
+                    by_step: dict[int, Row]) -> list[Row]:
+    """The rows where a MILP solution's schedule (its `drops`), as read and before it is made to
+    fit, is over the budget and that its model (of the rows at steps `modelled`) does not have: for
+    each step of that schedule over the budget, the over-budget keep-all row at or after the node
+    last first computed; the GENERATION_NEW_ROWS of largest excess."""
+    sched = schedule_from_live(graph, drops, prune=False)
+    idx, seen = graph.index, set()
+    steps = sorted(by_step)
+    excess: dict[int, int] = {}
+    last = -1
+    for name, mem in zip(sched, simulate(graph, sched).timeline):
+        if name not in seen:
+            seen.add(name)
+            last = idx[name]
+        if mem > budget:
+            at = bisect.bisect_left(steps, last)
+            if at < len(steps) and steps[at] not in modelled:
+                excess[steps[at]] = max(excess.get(steps[at], 0), mem - budget)
+    return [by_step[t] for t in sorted(excess, key=lambda t: (-excess[t], t))[:GENERATION_NEW_ROWS]]
 
 
 def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = math.inf,
-                     mip_gap: float = 0.0, time_limit_s: float | None = None) -> PeakRowsResult:
+                     mip_gap: float = 0.0, time_limit_s: float | None = None,
+                     more_rows_from: PeakRowsResult | None = None) -> PeakRowsResult:
     """The rows' bound and plans for `graph` under `budget` (see the module docstring), in stages
     of growing cost, stopping once the best plan (or `incumbent`, a known plan's extra cost) is
-    within `mip_gap` of the bound: the LPs of up to MAX_ROWS rows, then the MILPs of the
-    SINGLE_MILPS rows of largest LP bound (their plans and bounds)."""
+    within `mip_gap` of the bound: the LPs of up to MAX_ROWS rows, the MILPs of the SINGLE_MILPS
+    rows of largest LP bound, then the MILP of a row per run together. `more_rows_from`: instead,
+    go on from that search's last several rows' MILP, adding the rows its plan misses
+    (GENERATION_ROUNDS times at most)."""
     with stage(f"checkmate: rows over the budget ({len(graph.nodes)} nodes)", unit="model") as progress:
-        return _search(graph, budget, incumbent, mip_gap, time_limit_s, progress)
+        return _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from)
 
 
-def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress) -> PeakRowsResult:
+def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from) -> PeakRowsResult:
     t0 = time.perf_counter()
     rows = over_budget_rows(graph, budget)
     details: dict = {"rows_over_budget": len(rows)}
@@ -136,9 +178,10 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress) -> PeakRo
     def left() -> float | None:
         return None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
 
-    def run(rows_: list[Row], integral: bool) -> tuple[float, RowsModel] | None:
-        """Solve the model of rows_, keep its bound and plan; None when it proves no fit."""
-        rm = rows_model(graph, rows_, readers)
+    def run(rows_: list[Row], integral: bool, rm: RowsModel | None = None) -> tuple[float, RowsModel, object] | None:
+        """Solve the model of rows_ (`rm`, where already built), keep its bound and plan; None when it
+        proves no fit."""
+        rm = rm or rows_model(graph, rows_, readers)
         nodes_limit = ROWS_MAX_NODES if integral else None
         sol = rm.model.solve(integral=integral, max_nodes=nodes_limit, time_limit_s=left(), mip_gap=max(mip_gap, 1e-6))
         entry = {"rows": len(rm.rows), "integral": integral, "status": sol.status, "variables": rm.model.num_vars,
@@ -164,7 +207,10 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress) -> PeakRo
         if math.isfinite(best):
             facts.update(plan=f"{100 * best / total:.3f}%", gap=f"{100 * (best - found['bound']) / max(best, 1e-12):.2f}%")
         progress.note(**facts)
-        return bound, rm
+        if integral and sol.x is not None:
+            if len(rm.rows) > 1:
+                found["together"] = (tuple(w.step for w in rm.rows), _drops(graph, rm, sol.x))
+        return bound, rm, sol.x
 
     def done() -> bool:
         best = min(found["cost"], incumbent)
@@ -182,7 +228,28 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress) -> PeakRo
         # read: random_dag(20, 2) at 399 bytes, plan 3.0 under the rows' 5.0)
         found["bound"] = min(found["bound"], found["cost"])
         details.update(bound=found["bound"], s=round(time.perf_counter() - t0, 3))
-        return PeakRowsResult(found["bound"], found["schedule"], found["cost"], details)
+        return PeakRowsResult(found["bound"], found["schedule"], found["cost"], details, found.get("together"))
+
+    if more_rows_from is not None and more_rows_from.together is not None:
+        by_step = {w.step: w for w in rows}
+        steps, drops = more_rows_from.together
+        together = [by_step[t] for t in steps]
+        for _ in range(GENERATION_ROUNDS):
+            missed = _rows_it_misses(graph, drops, {w.step for w in together}, budget, by_step)
+            if not missed or done():
+                break
+            together = sorted(together + missed, key=lambda w: w.step)
+            rm = rows_model(graph, together, readers)
+            if rm.model.num_vars > GENERATION_MAX_VARIABLES:
+                details["not_solved"] = f"{len(together)} rows: {rm.model.num_vars} variables > {GENERATION_MAX_VARIABLES}"
+                break
+            out = run(together, True, rm)
+            if out is None:
+                return PeakRowsResult(math.inf, None, math.inf, details)
+            if out[2] is None:
+                break
+            drops = _drops(graph, out[1], out[2])
+        return result()
 
     chosen = _chosen_rows(rows, MAX_ROWS)
     single = []
