@@ -118,12 +118,6 @@ def _drops(graph: TrainingGraph, rm: RowsModel, x) -> list[set[int]]:
     return drops
 
 
-def _plan(graph: TrainingGraph, rm: RowsModel, x, budget: int) -> list[str] | None:
-    """The schedule of a MILP solution (its drops), made to fit (not yet refined); None when it
-    cannot be made to fit."""
-    return fit(graph, _drops(graph, rm, x), budget)
-
-
 def _rows_it_misses(graph: TrainingGraph, drops: list[set[int]], modelled: set[int], budget: int,
                     by_step: dict[int, Row]) -> list[Row]:
     """The rows where a MILP solution's schedule (its `drops`), as read and before it is made to
@@ -178,8 +172,9 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
     def left() -> float | None:
         return None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
 
-    def run(rows_: list[Row], integral: bool, rm: RowsModel | None = None) -> tuple[float, RowsModel, object] | None:
-        """Solve the model of rows_ (`rm`, where already built), keep its bound and plan; None when it
+    def run(rows_: list[Row], integral: bool, rm: RowsModel | None = None) -> tuple[float, list | None] | None:
+        """Solve the model of rows_ (`rm`, where already built), keep its bound and plan (the MILP
+        solution's drops, made to fit, not yet refined); (bound, drops or None), or None when it
         proves no fit."""
         rm = rm or rows_model(graph, rows_, readers)
         nodes_limit = ROWS_MAX_NODES if integral else None
@@ -195,8 +190,9 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         bound = _bound(sol.bound, rm, graph, margin) if sol.bound is not None and math.isfinite(sol.bound) else 0.0
         entry["bound"] = bound
         found["bound"] = max(found["bound"], bound)
-        if integral and sol.x is not None:
-            sched = _plan(graph, rm, sol.x, budget)
+        drops = _drops(graph, rm, sol.x) if integral and sol.x is not None else None
+        if drops is not None:
+            sched = fit(graph, drops, budget)
             if sched is not None:
                 cost = entry["plan_extra_cost"] = simulate(graph, sched).extra_cost
                 if cost < found["cost"]:
@@ -207,10 +203,9 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         if math.isfinite(best):
             facts.update(plan=f"{100 * best / total:.3f}%", gap=f"{100 * (best - found['bound']) / max(best, 1e-12):.2f}%")
         progress.note(**facts)
-        if integral and sol.x is not None:
-            if len(rm.rows) > 1:
-                found["together"] = (tuple(w.step for w in rm.rows), _drops(graph, rm, sol.x))
-        return bound, rm, sol.x
+        if drops is not None and len(rm.rows) > 1:
+            found["together"] = (tuple(w.step for w in rm.rows), drops)
+        return bound, drops
 
     def done() -> bool:
         best = min(found["cost"], incumbent)
@@ -246,9 +241,9 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             out = run(together, True, rm)
             if out is None:
                 return PeakRowsResult(math.inf, None, math.inf, details)
-            if out[2] is None:
+            if out[1] is None:
                 break
-            drops = _drops(graph, out[1], out[2])
+            drops = out[1]
         return result()
 
     chosen = _chosen_rows(rows, MAX_ROWS)
