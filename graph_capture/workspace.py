@@ -22,7 +22,7 @@ after it, so the probe holds one op's tensors at a time.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 
 import torch
@@ -35,16 +35,31 @@ from remat.compat.torch_private import disable_current_modes, profiler_allocatio
 from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peak, quiet_profile,
                                            storage_bytes)
 
-__all__ = ["OpProbe", "Case", "probe_ops", "default_min_bytes", "tensors_in", "run_cases", "real_args", "real_like", "op_groups", "op_signature"]
+__all__ = ["OpProbe", "Case", "Layout", "probe_ops", "default_min_bytes", "tensors_in", "run_cases", "real_args", "real_like",
+           "layout_of", "op_groups", "op_signature"]
 
 
-def real_like(v, device: torch.device):
+@dataclass(frozen=True)
+class Layout:
+    """Where a real tensor's elements lie in its storage (strides, offset). A real kernel can lay
+    its output out otherwise than its fake tensor says (CPU native_dropout_backward follows its
+    gradient's transposed strides, the fake one is contiguous), and the next op's scratch memory
+    can depend on it (a convolution backward copies a transposed gradient to a contiguous one)."""
+
+    stride: tuple[int, ...]
+    offset: int
+
+
+def real_like(v, device: torch.device, layout=None):
     """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device` (on the CPU
     where `v` is): random floats, integers 0 (a valid index for every gather/embedding/loss target),
-    bools True. Built on a flat storage and viewed with `v`'s strides, so an expanded value (stride
-    0, whose elements share memory and cannot be filled through the view) is made too."""
+    bools True. Built on a flat storage and viewed with `v`'s strides (or `layout`'s: a Layout, or
+    for a list or tuple value a matching sequence of them, None where unknown), so an expanded
+    value (stride 0, whose elements share memory and cannot be filled through the view) is made too."""
     if isinstance(v, torch.Tensor):
         shape, stride, offset = tuple(v.shape), tuple(v.stride()), int(v.storage_offset())
+        if isinstance(layout, Layout) and len(layout.stride) == len(shape):
+            stride, offset = layout.stride, layout.offset
         size = 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
         # a value the trace put on the CPU (a scalar beside a GPU step) stays on the CPU
         on = v.device if v.device.type == "cpu" else device
@@ -57,18 +72,31 @@ def real_like(v, device: torch.device):
             flat.zero_()
         return flat.as_strided(shape, stride, offset)
     if isinstance(v, (list, tuple)):
-        return type(v)(real_like(x, device) for x in v)
+        parts = layout if isinstance(layout, (list, tuple)) and len(layout) == len(v) else [None] * len(v)
+        return type(v)(real_like(x, device, lay) for x, lay in zip(v, parts))
     return v
 
 
-def op_signature(n: fx.Node) -> tuple:
+def layout_of(value):
+    """The Layout of a real op result (a sequence of them for a list or tuple; None: no tensor)."""
+    if isinstance(value, torch.Tensor):
+        return Layout(tuple(value.stride()), int(value.storage_offset()))
+    if isinstance(value, (list, tuple)):
+        return tuple(layout_of(x) for x in value)
+    return None
+
+
+def op_signature(n: fx.Node, layouts: dict | None = None) -> tuple:
     """What identifies an op call for probing: its target and each argument's shape, strides and
-    dtype (or value), so calls with the same one are measured once."""
+    dtype (or value), so calls with the same one are measured once. `layouts`: fx node -> the
+    Layout its real value was seen to have, whose strides replace the fake value's."""
     def sig(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                return ("T", tuple(v.shape), tuple(v.stride()), v.dtype)
+                lay = (layouts or {}).get(a)
+                stride = lay.stride if isinstance(lay, Layout) and len(lay.stride) == v.dim() else tuple(v.stride())
+                return ("T", tuple(v.shape), stride, v.dtype)
             return ("N", repr(v))
         if isinstance(a, (list, tuple)):
             return tuple(sig(x) for x in a)
@@ -155,15 +183,18 @@ def op_groups(gm: fx.GraphModule) -> dict[tuple, list[fx.Node]]:
 Case = tuple[object, Callable, Callable[[], tuple[tuple, dict]]]
 
 
-def run_cases(cases: list[Case], device: torch.device, allocator: str) -> dict[object, tuple[int, tuple]]:
+def run_cases(cases: Iterable[Case], device: torch.device, allocator: str,
+              on_result: Callable[[object, object], None] | None = None) -> dict[object, tuple[int, tuple]]:
     """key -> (bytes the op's peak rose above its inputs beyond its outputs, real output storages),
     for each case that ran. Each case's arguments are made just before it runs and dropped after,
-    so the probe holds one op's tensors at a time."""
-    with stage("probing op workspaces", total=len(cases), unit="op") as progress:
-        return _run_cases(cases, device, allocator, progress)
+    so the probe holds one op's tensors at a time. `cases` may be a generator: the next case is
+    taken after the last one ran and `on_result(key, its result)` was called."""
+    total = len(cases) if isinstance(cases, Sized) else None
+    with stage("probing op workspaces", total=total, unit="op") as progress:
+        return _run_cases(cases, device, allocator, progress, on_result or (lambda key, out: None))
 
 
-def _run_cases(cases: list[Case], device: torch.device, allocator: str, progress) -> dict[object, tuple[int, tuple]]:
+def _run_cases(cases: Iterable[Case], device: torch.device, allocator: str, progress, on_result) -> dict:
     results: dict[object, tuple[int, tuple]] = {}
     if device.type == "cuda":
         for key, target, make_args in cases:
@@ -183,49 +214,49 @@ def _run_cases(cases: list[Case], device: torch.device, allocator: str, progress
             inputs = (args, list(kwargs.values()))
             results[key] = (torch.cuda.max_memory_allocated() - base - _out_bytes(out, inputs, allocator),
                             _storages(out, inputs, allocator))
+            on_result(key, out)
             del out, args, kwargs
         return results
     if device.type != "cpu":
         return results
-    outs: list[tuple[int, tuple] | None] = []
+    ran: list[tuple[object, int, tuple]] = []  # (key, output bytes, storages) of each case that ran
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for i, (_, target, make_args) in enumerate(cases):
+        for key, target, make_args in cases:
             progress.advance()
             try:
                 args, kwargs = make_args()  # outside the range: the inputs are not the op's
             except Exception:
-                outs.append(None)
                 continue
-            with record_function(f"remat_probe_{i}"):
+            with record_function(f"remat_probe_{len(ran)}"):
                 try:
                     out = target(*args, **kwargs)
                 except Exception:
-                    outs.append(None)
                     continue
             inputs = (args, list(kwargs.values()))
-            outs.append((_out_bytes(out, inputs), _storages(out, inputs)))
+            ran.append((key, _out_bytes(out, inputs), _storages(out, inputs)))
+            on_result(key, out)
             del out, args, kwargs  # outside the range: their frees are not part of the op
     events, allocations = profiler_events(prof), profiler_allocations(prof)
     ranges = {}
     for e in events:
         if e.name().startswith("remat_probe_"):
             ranges[int(e.name().rsplit("_", 1)[1])] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    for i, (key, _, _) in enumerate(cases):
-        if outs[i] is None or i not in ranges:
-            continue
-        results[key] = (memory_peak(allocations, *ranges[i]) - outs[i][0], outs[i][1])
+    for i, (key, out_bytes, storages) in enumerate(ran):
+        if i in ranges:
+            results[key] = (memory_peak(allocations, *ranges[i]) - out_bytes, storages)
     return results
 
 
-def real_args(n: fx.Node, device: torch.device) -> Callable[[], tuple[tuple, dict]]:
-    """A function making real (random) arguments of `n`'s traced shapes on `device`. On CUDA, the
-    integer tensors `n` takes from another op's outputs (an attention backward's RNG seed and
-    offset) are that op's real outputs, run on made-up arguments: made-up ones can crash a kernel."""
+def real_args(n: fx.Node, device: torch.device, layouts: dict | None = None) -> Callable[[], tuple[tuple, dict]]:
+    """A function making real (random) arguments of `n`'s traced shapes on `device` (laid out as
+    `layouts` says, fx node -> Layout, where it has the node). On CUDA, the integer tensors `n`
+    takes from another op's outputs (an attention backward's RNG seed and offset) are that op's
+    real outputs, run on made-up arguments: made-up ones can crash a kernel."""
     def make():
         produced = _integer_outputs_of_producers(n, device) if device.type == "cuda" else {}
 
         def value(a: fx.Node):
-            return produced[a] if a in produced else real_like(a.meta.get("val"), device)
+            return produced[a] if a in produced else real_like(a.meta.get("val"), device, (layouts or {}).get(a))
 
         return fx.node.map_arg(n.args, value), fx.node.map_arg(n.kwargs, value)
 
@@ -256,10 +287,43 @@ def _integer_outputs_of_producers(n: fx.Node, device: torch.device) -> dict[fx.N
 
 
 def _probe(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, allocator: str) -> OpProbe:
-    """Every op at its traced shapes (capture of real tensors)."""
+    """Every op at its traced shapes (capture of real tensors), in graph order, each on arguments
+    laid out as the real ops before it laid out their results (`Layout`): a signature (op,
+    shapes, those strides, dtypes, constants) is measured once."""
     result = OpProbe()
     if device is None or device.type not in ("cpu", "cuda"):
         return result
+    layouts: dict[fx.Node, object] = {}  # node -> the Layout its probe's result had
+    out_layout: dict[tuple, object] = {}  # signature -> the Layout of its probe's result
+    todo: dict[tuple, list[fx.Node]] = {}
+
+    def cases():
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+                lay = layouts.get(n.args[0])
+                if isinstance(lay, tuple) and isinstance(n.args[1], int) and n.args[1] < len(lay):
+                    layouts[n] = lay[n.args[1]]
+                continue
+            if not isinstance(n.target, torch._ops.OpOverload):
+                continue
+            sig = op_signature(n, layouts)
+            if sig not in todo:
+                todo[sig] = []
+                yield sig, probe_callable(n.target), real_args(n, device, layouts)
+            todo[sig].append(n)
+            if sig in out_layout:
+                layouts[n] = out_layout[sig]
+
+    def seen(sig, out):
+        out_layout[sig] = layout_of(out)
+
+    for sig, (extra, storages) in run_cases(cases(), device, allocator, seen).items():
+        for m in todo[sig]:
+            result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0
+            result.out_storages[m.name] = storages
+    return result
     todo = op_groups(gm)
     cases = [(sig, probe_callable(nodes[0].target), real_args(nodes[0], device)) for sig, nodes in todo.items()]
     for sig, (extra, storages) in run_cases(cases, device, allocator).items():
