@@ -260,6 +260,22 @@ def _what_failed(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _plain_tensors_hint(exc: BaseException, model: nn.Module) -> str:
+    """Where the trace met a real tensor that is neither a parameter, a buffer nor an input (a
+    module attribute holding a plain tensor, as VideoMAE's sinusoidal position table), which
+    AOTAutograd's fake tensors refuse: the model's attributes of that kind, and what to do."""
+    if "convert all Tensors to FakeTensors" not in str(exc):
+        return ""
+    found = [f"{path + '.' if path else ''}{attr} {tuple(t.shape)}" for path, m in model.named_modules()
+             for attr, t in vars(m).items() if isinstance(t, torch.Tensor)]
+    if not found:
+        return ""
+    return ("\n  the model reads tensors held as plain module attributes, not as parameters or buffers: "
+            f"{', '.join(found[:5])}{' ...' if len(found) > 5 else ''}; the step is traced without data and "
+            "cannot take them: make each a buffer (`t = m.NAME; del m.NAME; m.register_buffer('NAME', t, "
+            "persistent=False)`) and optimize again")
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch and remat's own machinery: the user's line."""
     import os
@@ -380,7 +396,7 @@ def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fu
             raise
         except Exception as e:  # tracing failures surface from deep inside torch: name the culprit
             raise TraceError(f"could not trace the training step of {name}: {_what_failed(e)}\n"
-                             f"  at {_user_frame(e)}") from e
+                             f"  at {_user_frame(e)}{_plain_tensors_hint(e, model)}") from e
         finally:
             tracing.close()
         if sig.outputs is None:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -168,6 +169,34 @@ def test_untraceable_model_names_the_source_line():
         assert "models.py" in str(e) and "h.sum() > 0" in str(e)
     else:
         raise AssertionError("tracing data-dependent control flow should fail")
+
+
+class PlainTensorAttribute(nn.Module):
+    """A sinusoidal table held as a plain attribute, neither a parameter nor a buffer (VideoMAE's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.table = torch.randn(1, 8)
+
+    def forward(self, x):
+        return (self.lin(x) + self.table.detach()).sum()
+
+
+def test_a_plain_tensor_attribute_is_named_with_the_way_to_make_it_a_buffer():
+    model = PlainTensorAttribute()
+    with pytest.raises(remat.TraceError, match=r"plain module attributes.*table \(1, 8\).*register_buffer"):
+        remat.capture(model, (torch.randn(4, 8),))
+    t = model.table
+    del model.table
+    model.register_buffer("table", t, persistent=False)
+    x = torch.randn(4, 8)
+    opt = remat.optimize(model, example_inputs=(x,), solver="keep_all", quiet=True)
+    opt(x).backward()
+    got = model.lin.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    assert torch.equal(got, model.lin.weight.grad)
 
 
 def test_nothing_requires_grad_is_an_error():
