@@ -249,6 +249,30 @@ def test_highs_root_node_raises_the_bound_a_stalled_search_leaves(monkeypatch):
         assert res.details["bound_source"].startswith("HiGHS's root node")
 
 
+def test_no_branching_where_the_root_lp_is_far_under_a_bound_proved_otherwise(monkeypatch):
+    """Given a bound (the peak rows') more than ROOT_UNDER_OTHER_BOUND over the root LP's value,
+    the certified search of a relaxation over MIP_MAX_VARIABLES reads the root's plans and stops
+    without branching: its plan fits, its bound is the root LP's. A bound the root is not far
+    under, or a relaxation under MIP_MAX_VARIABLES, changes nothing."""
+    from remat.solver.checkmate import certified_search
+
+    g = transformer_like(2, 1)
+    budget = (simulate(g, keep_all_schedule(g)).peak_bytes + equal_spacing.solve(g, 0).predicted_peak_bytes) // 2
+    free = certified_search.certified_search(g, budget)
+    assert free.details["certify"]["lps"] > 1  # it branches without one
+    root = free.details["certify"]["root_bound"]
+    small = certified_search.certified_search(g, budget, other_bound=root * 1.5 + 1.0)
+    assert small.details["certify"]["lps"] == free.details["certify"]["lps"] and small.bound == free.bound
+    monkeypatch.setattr(certified_search, "MIP_MAX_VARIABLES", 0)  # as if the relaxation were large
+    far = certified_search.certified_search(g, budget, other_bound=root * 1.5 + 1.0)
+    assert far.details["certify"]["stopped_by"] == "under the floor" and far.details["certify"]["lps"] == 1
+    assert far.bound <= root * (1 + 1e-9) + 1e-9
+    assert far.schedule is not None and simulate(g, far.schedule).peak_bytes <= budget
+    large = certified_search.certified_search(g, budget)
+    near = certified_search.certified_search(g, budget, other_bound=root * 1.01)
+    assert near.details["certify"]["lps"] == large.details["certify"]["lps"] > 1 and near.bound == large.bound
+
+
 FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]
 
 

@@ -62,7 +62,7 @@ class Certificate:
     iterations: int
     seconds: float
     stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit",
-    # "root LP limit" (the root LP did not finish within its limits: no bound)
+    # "root LP limit" (the root LP did not finish within its limits: no bound), "under the floor" (no branching)
     x: np.ndarray | None = None
     infeasible: bool = False
     log: list = field(default_factory=list)
@@ -80,7 +80,7 @@ def classes(rel: Relaxation) -> list[list[int]]:
 def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float = 1e-4,
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
             time_limit_s: float | None = None, on_solution=None, on_lp=None,
-            root_iterations: int | None = None, on_simplex=None) -> Certificate:
+            root_iterations: int | None = None, on_simplex=None, floor: float | None = None) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's, never
@@ -88,7 +88,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     root LP stopped by it, or by the time limit, proves nothing: the bound is 0, stopped_by "root
     LP limit"). on_lp(lps, bound, incumbent, work), if given, is called after each branching
     (work: the share of the simplex iteration limit spent, None without one), on_simplex(iterations)
-    every SIMPLEX_REPORT iterations of an LP (progress)."""
+    every SIMPLEX_REPORT iterations of an LP (progress). floor: where the root LP's value is under
+    this (model units), no branching (stopped_by "under the floor")."""
     import highspy
 
     t0 = time.perf_counter()
@@ -150,6 +151,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
         return Certificate(math.inf, math.inf, 1, iters, time.perf_counter() - t0, "proved", infeasible=True)
     if on_solution is not None:
         incumbent = min(incumbent, on_solution(x, root))
+    if floor is not None and root < floor:
+        return Certificate(min(root, incumbent), root, 1, iters, time.perf_counter() - t0, "under the floor", x)
     heap = [(root, 0, ({}, {}), x)]
     count, lps, stopped = 1, 1, "proved"
     last_rise = [root, 1]  # the best bound so far and the LP count when it last rose

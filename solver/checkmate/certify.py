@@ -82,7 +82,8 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
         return Certificate(rows.bound, False, plans, rows.details, bound_source=ROWS_SOURCE, certify_skipped=skipped)
     left = None if deadline is None else max(0.5, deadline - time.perf_counter())
     res = certified_search(graph, budget_bytes, starts=[(n, r.schedule) for n, r in known.items()],
-                           mip_gap=mip_gap, max_iterations=max_iterations, time_limit_s=left)
+                           mip_gap=mip_gap, max_iterations=max_iterations, time_limit_s=left,
+                           other_bound=rows.bound)
     search = dict(res.details)
     if res.schedule is not None and search.get("plan_source") == "relaxation":
         plans["relaxation"] = Refined(res.schedule, simulate(graph, res.schedule))
