@@ -57,9 +57,8 @@ def real_like(v, device: torch.device, layout=None):
     for a list or tuple value a matching sequence of them, None where unknown), so an expanded
     value (stride 0, whose elements share memory and cannot be filled through the view) is made too."""
     if isinstance(v, torch.Tensor):
-        shape, stride, offset = tuple(v.shape), tuple(v.stride()), int(v.storage_offset())
-        if isinstance(layout, Layout) and len(layout.stride) == len(shape):
-            stride, offset = layout.stride, layout.offset
+        shape = tuple(v.shape)
+        stride, offset = _placement(v, layout)
         size = 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
         # a value the trace put on the CPU (a scalar beside a GPU step) stays on the CPU
         on = v.device if v.device.type == "cpu" else device
@@ -75,6 +74,14 @@ def real_like(v, device: torch.device, layout=None):
         parts = layout if isinstance(layout, (list, tuple)) and len(layout) == len(v) else [None] * len(v)
         return type(v)(real_like(x, device, lay) for x, lay in zip(v, parts))
     return v
+
+
+def _placement(v: torch.Tensor, layout) -> tuple[tuple[int, ...], int]:
+    """The strides and offset a real tensor like the fake `v` gets: `layout`'s where it is a Layout
+    of as many dimensions, else `v`'s own."""
+    if isinstance(layout, Layout) and len(layout.stride) == v.dim():
+        return layout.stride, layout.offset
+    return tuple(v.stride()), int(v.storage_offset())
 
 
 def layout_of(value):
@@ -94,9 +101,7 @@ def op_signature(n: fx.Node, layouts: dict | None = None) -> tuple:
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                lay = (layouts or {}).get(a)
-                stride = lay.stride if isinstance(lay, Layout) and len(lay.stride) == v.dim() else tuple(v.stride())
-                return ("T", tuple(v.shape), stride, v.dtype)
+                return ("T", tuple(v.shape), _placement(v, (layouts or {}).get(a))[0], v.dtype)
             return ("N", repr(v))
         if isinstance(a, (list, tuple)):
             return tuple(sig(x) for x in a)
@@ -320,13 +325,6 @@ def _probe(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, allo
         out_layout[sig] = layout_of(out)
 
     for sig, (extra, storages) in run_cases(cases(), device, allocator, seen).items():
-        for m in todo[sig]:
-            result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0
-            result.out_storages[m.name] = storages
-    return result
-    todo = op_groups(gm)
-    cases = [(sig, probe_callable(nodes[0].target), real_args(nodes[0], device)) for sig, nodes in todo.items()]
-    for sig, (extra, storages) in run_cases(cases, device, allocator).items():
         for m in todo[sig]:
             result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0
             result.out_storages[m.name] = storages
