@@ -248,7 +248,9 @@ def run_boxed(gm: torch.fx.GraphModule, example_inputs):
     runnable = eager_executable(gm)  # the same calls, the frequent ones through public bindings
 
     def run(args: list):
-        return runnable(args)
+        # forward, not __call__: global module hooks (FlopCounterMode's ModuleTracker) are not meant
+        # for the step's own graphs, and register grad hooks on their outputs, which fails here
+        return runnable.forward(args)
 
     run._boxed_call = True
     return run

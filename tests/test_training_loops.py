@@ -289,3 +289,25 @@ def test_the_module_presents_the_models_forward_signature():
     assert list(inspect.signature(opt.forward).parameters) == ["idx", "targets"]
     with pytest.raises(TypeError, match="targets"):
         opt(inputs[0])
+
+
+def test_a_step_counted_under_flop_counter_mode_trains_as_eager_and_counts_the_recomputations():
+    """A training loop measuring its FLOPs wraps the step in FlopCounterMode: its ModuleTracker's
+    global forward hooks fired on the step's own graph modules and failed ("Expected gradient
+    function to be set"). The step now runs as eager's, and the count includes the plan's
+    recomputations (the plan's extra FLOPs over keep_all's step)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, ref, inputs = _pair(dropout=0.0)
+    keep = keep_all.solve(remat.capture(model, inputs, fused_attention=False, quiet=True)).predicted_peak_bytes
+    # the model's own attention and loss head: the fused ones count their own FLOPs (the flash
+    # backward computes the scores again; the chunked head adds a logits matmul)
+    opt = remat.optimize(model, budget_bytes=int(0.6 * keep), example_inputs=inputs, quiet=True,
+                         fused_attention=False, chunked_loss=False)
+    assert opt.plan.extra_flops > 0
+    with FlopCounterMode(display=False) as counted:
+        loss = _step(opt, inputs)
+    with FlopCounterMode(display=False) as eager:
+        ref_loss = _step(ref, inputs)
+    _assert_same(model, ref, loss, ref_loss)
+    assert counted.get_total_flops() == eager.get_total_flops() + opt.plan.extra_flops
