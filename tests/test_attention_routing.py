@@ -523,3 +523,44 @@ def test_inplace_dropout_is_never_replaced(fn, mode):
     router, out, expect = _routed_and_eager(fn, q, k, v, mode=mode)
     assert router.routed == 0 and torch.equal(out, expect)
     assert any("in-place op on the attention probs" in r for r in router.passed), router.passed
+
+
+class _GroupedQuery(torch.nn.Module):
+    """Causal SDPA with 8 query heads over 2 key/value heads (enable_gqa, as Hugging Face calls it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 8, 8).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 16).transpose(1, 2).chunk(2, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.float().pow(2).mean()
+
+
+def test_grouped_query_attention_costs_its_flops_where_torch_refuses_the_shapes(monkeypatch):
+    """torch before 2.13 asserted that SDPA's key/value have the query's heads, so the fused op's
+    FLOPs (counted with torch's formula) were 0 for grouped-query attention: the cost model took the
+    attention of every Llama, Mistral and Qwen2 as free to recompute."""
+    import remat.attention.router as router
+    from torch.utils.flop_counter import bmm_flop
+
+    def strict(count):
+        def refusing(*shapes):
+            if len({s[1] for s in shapes}) > 1:
+                raise AssertionError("query/key/value shapes are incompatible")  # torch 2.11's check
+            return count(*shapes)
+        return refusing
+
+    monkeypatch.setattr(router, "sdpa_flop_count", strict(router.sdpa_flop_count))
+    monkeypatch.setattr(router, "sdpa_backward_flop_count", strict(router.sdpa_backward_flop_count))
+    x = torch.randn(2, 32, 64)
+    g = remat.capture(_GroupedQuery(), (x,), quiet=True)
+    fwd = [n for n in g.nodes if n.op.startswith("flash_attention.")]
+    bwd = [n for n in g.nodes if n.op.startswith("flash_attention_backward")]
+    assert len(fwd) == len(bwd) == 1
+    per_matmul = bmm_flop((2 * 8, 32, 8), (2 * 8, 8, 32))  # QK^T, as the same attention with 8 key/value heads
+    assert fwd[0].flops == 2 * per_matmul
+    assert bwd[0].flops > fwd[0].flops
