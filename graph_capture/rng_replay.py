@@ -10,13 +10,20 @@ becomes
     s = remat::rng_state(x)                            # random: never recomputed (kept while needed)
     out, mask = remat::dropout(s, x, p, replay=False)  # deterministic given s: recomputable
 
-and the runtime emits each recomputation with replay=True (runtime/partition.py). The first
-computation draws the mask as CPU native_dropout does (`bernoulli_(1 - p)` on a bool tensor), from
-the global generator as eager does (nothing random runs between s and it: the schedule's first
+and the runtime emits each recomputation with replay=True (runtime/partition.py). On the CPU the
+first computation draws the mask as CPU native_dropout does (`bernoulli_(1 - p)` on a bool tensor),
+from the global generator as eager does (nothing random runs between s and it: the schedule's first
 computations follow the graph's order, and replays do not touch the global generator). A replay
 draws it the same way from a private generator set to s (same mask, same allocations, checked by
 tests/test_rng_replay.py), so the random stream after the step is eager's. Neither computes the
 dropout's output, which nothing reads (`out` is left uninitialised).
+
+On CUDA the state is the device generator's Philox seed and offset (16 bytes, a CPU tensor, as
+`torch.utils.checkpoint` saves it). The first computation is CUDA native_dropout itself, on the
+global generator (eager's kernel at eager's offset: eager's mask); a replay sets the generator to
+s, runs the same kernel and puts the generator back where it was, so the replay draws the first
+computation's mask and the stream after the step is eager's (checked on the device by
+benchmarks/gpu_dropout.py; the CPU suite cannot run it).
 
 A replay is right only if the first computation drew from s, i.e. nothing drew random numbers
 between s and it. In the graph nothing does (s is inserted right before its dropout, and the
@@ -24,9 +31,6 @@ rewrite is skipped for a graph with any other random op), and fx runs nodes in o
 that reordered the pairs (Inductor, when it runs the plan) is caught: each first computation
 checks that the last state saved is its own (a pointer comparison, no allocation) and raises
 RngOrderError otherwise, so a reordering can never silently give a replay another mask.
-
-Only on the CPU for now: CUDA's fused dropout kernel draws differently, and replaying it through
-the global CUDA generator is untested without a GPU. There the masks are kept, as before.
 """
 from __future__ import annotations
 
@@ -38,11 +42,13 @@ import torch.fx as fx
 from remat.core.errors import RematError
 from remat.graph_capture.light_ops import light_op
 
-__all__ = ["make_dropout_replayable", "rng_state", "dropout", "CPU_STATE_BYTES", "is_replayable_dropout",
-           "probe_callable", "step_device_type", "RngOrderError"]
+__all__ = ["make_dropout_replayable", "rng_state", "dropout", "CPU_STATE_BYTES", "CUDA_STATE_BYTES",
+           "REPLAY_DEVICES", "is_replayable_dropout", "probe_callable", "step_device_type", "RngOrderError"]
 
 aten = torch.ops.aten
 CPU_STATE_BYTES = int(torch.get_rng_state().numel())  # mt19937's state: 5056 bytes
+CUDA_STATE_BYTES = 16  # Philox: a 64-bit seed and a 64-bit offset (CUDAGeneratorImpl::get_state)
+REPLAY_DEVICES = ("cpu", "cuda")  # the step devices whose dropouts are made replayable
 _LAST_SAVED = [None]  # data pointer of the state the latest rng_state saved, until its dropout draws
 
 
@@ -53,32 +59,55 @@ class RngOrderError(RematError, RuntimeError):
 
 @light_op("rng_state", "(Tensor like) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
 def rng_state(like: torch.Tensor) -> torch.Tensor:
-    """The state of the CPU generator (`like` orders it after the value the dropout reads)."""
-    state = torch.get_rng_state()
+    """The state of the generator `like`'s device draws from (`like` also orders it after the value
+    the dropout reads): a CPU tensor on either device."""
+    state = torch.cuda.get_rng_state(like.device) if like.device.type == "cuda" else torch.get_rng_state()
     _LAST_SAVED[0] = state.data_ptr()
     return state
 
 
 @rng_state.register_fake
 def _(like):
-    return torch.empty(CPU_STATE_BYTES, dtype=torch.uint8, device="cpu")
+    size = CUDA_STATE_BYTES if like.device.type == "cuda" else CPU_STATE_BYTES
+    return torch.empty(size, dtype=torch.uint8, device="cpu")
+
+
+def _check_order(state: torch.Tensor) -> None:
+    """A first computation must draw right after its own state was saved (module docstring)."""
+    if _LAST_SAVED[0] != state.data_ptr():
+        raise RngOrderError("remat: a dropout is about to draw from another generator state than the one saved "
+                            "for its recomputation (random ops ran out of the graph's order); refusing rather "
+                            "than let its recomputation draw another mask")
+    _LAST_SAVED[0] = None
+
+
+def _cuda_dropout(state: torch.Tensor, x: torch.Tensor, p: float, replay: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA native_dropout at the global generator's state (first computation) or at `state`,
+    the generator put back afterwards (replay), as torch.utils.checkpoint replays it."""
+    if not replay:
+        return aten.native_dropout.default(x, p, True)
+    now = torch.cuda.get_rng_state(x.device)
+    torch.cuda.set_rng_state(state, x.device)
+    try:
+        return aten.native_dropout.default(x, p, True)
+    finally:
+        torch.cuda.set_rng_state(now, x.device)
 
 
 @light_op("dropout", "(Tensor state, Tensor x, float p, bool replay) -> (Tensor, Tensor)")
 def dropout(state: torch.Tensor, x: torch.Tensor, p: float, replay: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """native_dropout(x, p, train=True)'s mask: drawn from the global generator (replay=False, the
-    first computation), or replayed from `state`, leaving the global generator untouched. Its
-    output is returned uninitialised (nothing reads it: see below)."""
-    if x.device.type != "cpu":
-        raise NotImplementedError("remat::dropout runs on the CPU only")
-    gen = None  # the first computation draws from the global generator, as eager's dropout
+    first computation), or replayed from `state`, leaving the global generator where it was. On
+    the CPU its output is returned uninitialised (nothing reads it: see below); CUDA's kernel
+    computes it with the mask."""
     if not replay:
-        if _LAST_SAVED[0] != state.data_ptr():
-            raise RngOrderError("remat: a dropout is about to draw from another generator state than the one saved "
-                                "for its recomputation (random ops ran out of the graph's order); refusing rather "
-                                "than let its recomputation draw another mask")
-        _LAST_SAVED[0] = None
-    else:
+        _check_order(state)
+    if x.device.type == "cuda":
+        return _cuda_dropout(state, x, p, replay)
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"remat::dropout runs on the CPU and CUDA, not {x.device.type}")
+    gen = None  # the first computation draws from the global generator, as eager's dropout
+    if replay:
         gen = torch.Generator()
         gen.set_state(state)
     mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p, generator=gen)
@@ -131,9 +160,9 @@ def _replayable(nd: fx.Node) -> bool:
 def make_dropout_replayable(gm: fx.GraphModule, device_type: str) -> int:
     """Rewrite every forward native_dropout(x, p, True) with 0 < p < 1 of the joint graph whose
     output nothing reads (only its mask) as rng_state + remat::dropout (module docstring), when
-    the step runs on `device_type` "cpu" and its forward draws random numbers nowhere else.
+    the step runs on one of REPLAY_DEVICES and its forward draws random numbers nowhere else.
     Returns how many were rewritten."""
-    if device_type != "cpu":
+    if device_type not in REPLAY_DEVICES:
         return 0
     g = gm.graph
     count = 0
@@ -151,8 +180,10 @@ def make_dropout_replayable(gm: fx.GraphModule, device_type: str) -> int:
         with g.inserting_before(nd):
             s = g.call_function(torch.ops.remat.rng_state.default, (x,))
         xv = x.meta["val"]
-        with xv.fake_mode:
-            s.meta = {**{k: v for k, v in nd.meta.items() if k != "val"}, "val": rng_state(xv)}
+        with xv.fake_mode:  # the state of the step's device (a fake capture for CUDA traces on the CPU)
+            size = CUDA_STATE_BYTES if device_type == "cuda" else CPU_STATE_BYTES
+            s.meta = {**{k: v for k, v in nd.meta.items() if k != "val"},
+                      "val": torch.empty(size, dtype=torch.uint8, device="cpu")}
         nd.target = torch.ops.remat.dropout.default
         nd.args, nd.kwargs = (s, x, p, False), {}
         count += 1

@@ -1,7 +1,7 @@
 """Dropout recomputed from its saved generator state (graph_capture/rng_replay.py): the replay
 draws the same mask with the same allocations as the first computation, a plan that recomputes
 dropout gives the unmodified model's loss, gradients and random stream bit for bit, and the
-rewrite stays off where it is not proven (CUDA, another random op, a dropout output read as it
+rewrite stays off where it is not proven (devices other than the CPU and CUDA, another random op, a dropout output read as it
 is); a first computation that would not draw from its saved state raises instead."""
 from __future__ import annotations
 
@@ -104,7 +104,9 @@ def _dropout_graph(read_output: bool, other_random: bool = False) -> fx.GraphMod
 def test_the_rewrite_stays_off_where_it_is_not_proven():
     assert make_dropout_replayable(_dropout_graph(False), "cpu") == 1
     assert make_dropout_replayable(_dropout_graph(True), "cpu") == 0  # its output is read as it is
-    assert make_dropout_replayable(_dropout_graph(False), "cuda") == 0  # CUDA: untested, masks kept
+    assert make_dropout_replayable(_dropout_graph(False), "cuda") == 1  # CUDA: replayed (benchmarks/gpu_dropout.py)
+    assert make_dropout_replayable(_dropout_graph(False), "mps") == 0  # elsewhere: masks kept
+    assert make_dropout_replayable(_dropout_graph(False), "mixed") == 0
     assert make_dropout_replayable(_dropout_graph(False, other_random=True), "cpu") == 0  # it could draw between
 
 
