@@ -67,26 +67,6 @@ class LossOnly(nn.Module):
         return self.lm(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def count_grouped_query_attention() -> None:
-    """torch before 2.13 refuses grouped-query shapes in its SDPA FLOP formulas (Hugging Face calls
-    SDPA with enable_gqa): count them as the same attention with each key/value head repeated for its
-    queries, as torch 2.13 does (remat's own op counts so itself: attention/router.py)."""
-    import torch.utils.flop_counter as fc
-
-    fwd, bwd = fc.sdpa_flop_count, fc.sdpa_backward_flop_count
-    try:
-        fwd((1, 4, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8))
-        return
-    except AssertionError:
-        pass
-
-    def heads(q, kv):
-        return (kv[0], q[1], *kv[2:])
-
-    fc.sdpa_flop_count = lambda q, k, v: fwd(q, heads(q, k), heads(q, v))
-    fc.sdpa_backward_flop_count = lambda g, q, k, v: bwd(g, q, heads(q, k), heads(q, v))
-
-
 # ----------------------------------------------------------------------------------------------
 # the peers
 # ----------------------------------------------------------------------------------------------
@@ -394,7 +374,9 @@ def main(argv=None) -> int:
 
     if args.tiny:
         UNIT[:] = [2**20, "MiB"]
-    count_grouped_query_attention()
+    from remat.compat.torch_private import count_grouped_query_attention
+
+    count_grouped_query_attention()  # FlopCounterMode on Hugging Face's enable_gqa attention (torch < 2.13)
     bench = Bench(args)
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "cpu_cores": os.cpu_count(), "device": torch.cuda.get_device_name() if not args.tiny else "cpu"}

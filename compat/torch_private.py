@@ -33,6 +33,9 @@ Entry points (what each is for):
 * `inductor_compile(fn, inputs, is_backward)`: Inductor's compiler for one already-partitioned
   forward or backward graph (what torch.compile runs after its own partitioner);
 * `clear_cublas_workspaces()`: release cuBLAS's per-(handle, stream) workspaces, to measure them;
+* `count_grouped_query_attention()`: torch.utils.flop_counter's SDPA formulas made to count
+  grouped-query shapes as torch 2.13 does (earlier versions assert; the cost model and
+  FlopCounterMode then saw 0 FLOPs for Hugging Face's enable_gqa attention);
 * `fake_tensor_mode()`, `is_fake(t)`: a FakeTensorMode (tensors with shapes, dtypes and devices but no
   data) to trace and plan a step without its memory, and whether a tensor is one of its fakes.
 """
@@ -49,7 +52,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["TESTED_TORCH", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
+__all__ = ["TESTED_TORCH", "count_grouped_query_attention", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
            "autograd_sequence_nr", "autocast_supported_devices", "backward_without_autocast",
            "aot_export_joint", "joint_needs_autograd", "joint_graph", "joint_state_names", "aot_compile_joint",
            "as_partitioner_runs", "default_partition", "extract_fwd_bwd_modules",
@@ -316,3 +319,31 @@ def is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
     return isinstance(t, torch.Tensor) and bool(_is_fake(t))
+
+
+def count_grouped_query_attention() -> bool:
+    """Make torch.utils.flop_counter count SDPA with fewer key/value heads than query heads as the
+    same attention with each key/value head repeated for its queries (what the kernels compute, and
+    torch 2.13's formula), where the installed torch's formula refuses those shapes. Its registered
+    formulas call the module's sdpa_flop_count / sdpa_backward_flop_count by name, so replacing those
+    two covers every SDPA backend's formula. Returns whether it replaced them (idempotent)."""
+    import torch.utils.flop_counter as fc
+
+    fwd, bwd = fc.sdpa_flop_count, fc.sdpa_backward_flop_count
+    try:
+        fwd((1, 4, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8))
+        return False  # this torch counts them already (or they were replaced before)
+    except AssertionError:
+        pass
+
+    def heads(q, kv):
+        return (kv[0], q[1], *kv[2:])
+
+    def sdpa_flop_count(query_shape, key_shape, value_shape):
+        return fwd(query_shape, heads(query_shape, key_shape), heads(query_shape, value_shape))
+
+    def sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape):
+        return bwd(grad_out_shape, query_shape, heads(query_shape, key_shape), heads(query_shape, value_shape))
+
+    fc.sdpa_flop_count, fc.sdpa_backward_flop_count = sdpa_flop_count, sdpa_backward_flop_count
+    return True

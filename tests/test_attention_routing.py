@@ -564,3 +564,35 @@ def test_grouped_query_attention_costs_its_flops_where_torch_refuses_the_shapes(
     per_matmul = bmm_flop((2 * 8, 32, 8), (2 * 8, 8, 32))  # QK^T, as the same attention with 8 key/value heads
     assert fwd[0].flops == 2 * per_matmul
     assert bwd[0].flops > fwd[0].flops
+
+
+def test_unfused_grouped_query_attention_costs_its_flops_where_torch_refuses_the_shapes(monkeypatch):
+    """The same for SDPA left unfused, whose FLOPs the cost model (and FlopCounterMode) takes from
+    torch's formulas for the CUDA attention ops: count_grouped_query_attention makes them count
+    grouped shapes (the formulas checked directly: the CPU's SDPA op has none)."""
+    import torch.utils.flop_counter as fc
+    from torch.utils.flop_counter import bmm_flop, flop_registry
+
+    from remat.compat.torch_private import count_grouped_query_attention
+
+    def strict(count):
+        def refusing(*shapes):
+            if len({s[1] for s in shapes}) > 1:
+                raise AssertionError("query/key/value shapes are incompatible")  # torch 2.11's check
+            return count(*shapes)
+        return refusing
+
+    monkeypatch.setattr(fc, "sdpa_flop_count", strict(fc.sdpa_flop_count))
+    monkeypatch.setattr(fc, "sdpa_backward_flop_count", strict(fc.sdpa_backward_flop_count))
+    aten = torch.ops.aten
+    q, kv = torch.empty(2, 8, 32, 8, device="meta"), torch.empty(2, 2, 32, 8, device="meta")
+    forward = flop_registry[aten._scaled_dot_product_flash_attention]
+    backward = flop_registry[aten._scaled_dot_product_flash_attention_backward]
+    with pytest.raises(AssertionError, match="incompatible"):
+        forward(q, kv, kv, out_val=None)
+    assert count_grouped_query_attention() is True
+    assert count_grouped_query_attention() is False  # once
+    per_matmul = bmm_flop((2 * 8, 32, 8), (2 * 8, 8, 32))
+    assert forward(q, kv, kv, out_val=None) == 2 * per_matmul
+    assert backward(q, q, kv, kv, out_val=None) == flop_registry[aten._scaled_dot_product_flash_attention_backward](
+        q, q, q, q, out_val=None)
