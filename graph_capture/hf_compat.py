@@ -30,6 +30,17 @@ answers the packing question as eager does for position ids that have one. Posit
 passes, or that a model computes from the mask, have none: the graph keeps the packed-sequence
 mask, right for any values.
 
+The mask shortcuts themselves are answered as eager for a call without a padding mask: with
+`padding_mask` None, whether SDPA can run `is_causal=True` (or no mask, bidirectionally) instead of a
+materialized mask depends on the query and key lengths alone. Hugging Face up to 5.17 skipped the
+shortcut whenever it was tracing (`if is_tracing(padding_mask): return False`, with is_tracing(None)
+true under the compile flag), so a causal LM called without `attention_mask` traced a (B, 1, S, S)
+mask: SDPA with it stays unfused (remat's router fuses no explicit mask) and its cuDNN backward ran
+2.8x slower than eager's causal one on an H200 (Llama-3.2-1B-shaped, benchmarks/results/
+gpu_speed_h200.txt). `_mask_skips_as_eager()` calls those two shortcuts with `is_tracing(None)`
+false; a padding mask, or a tensor offset, is still answered as under torch.compile. (5.25 answers so
+itself: `padding_mask is not None and is_tracing(padding_mask)`.)
+
 Not matched, by design: a batch whose `attention_mask` is all ones. Eager reads the mask, drops it
 and runs SDPA with `is_causal=True`; the graph must serve later batches with padding, so it keeps
 the mask (and `repeat_kv`) and holds what eager holds for a padded batch. Callers whose batches
@@ -154,8 +165,45 @@ def traced_as_compiled() -> Iterator[None]:
     """Make `torch.compiler.is_compiling()` true while a step is traced (as torch.compile does
     during its compile session), so that libraries skip data-dependent shortcuts; Hugging Face's
     packed-sequence test still answers as eager for position ids that no input determines."""
-    with compile_session(), _packing_from_constants():
+    with compile_session(), _packing_from_constants(), _mask_skips_as_eager():
         yield
+
+
+# the shortcuts whose answer for padding_mask None depends on lengths alone (module docstring)
+_MASK_SKIPS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+
+
+@contextmanager
+def _mask_skips_as_eager() -> Iterator[None]:
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not callable(getattr(masking, "is_tracing", None)):
+        yield
+        return
+    tracing = masking.is_tracing
+
+    def tracing_a_tensor(tensor=None) -> bool:
+        return tensor is not None and tracing(tensor)  # None: no values read, no tracing to guard
+
+    def as_eager(original: Callable) -> Callable:
+        def skip(*args, **kwargs):
+            padding_mask = args[0] if args else kwargs.get("padding_mask")
+            if padding_mask is not None:
+                return original(*args, **kwargs)
+            masking.is_tracing = tracing_a_tensor
+            try:
+                return original(*args, **kwargs)
+            finally:
+                masking.is_tracing = tracing
+        return skip
+
+    originals = {name: getattr(masking, name) for name in _MASK_SKIPS if callable(getattr(masking, name, None))}
+    for name, original in originals.items():
+        setattr(masking, name, as_eager(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(masking, name, original)
 
 
 @contextmanager

@@ -183,3 +183,35 @@ def test_a_returned_cache_is_a_clear_error():
     del batch["use_cache"]
     with pytest.raises(TypeError, match="use_cache=False"):
         remat.optimize(model, budget_bytes=2**40, example_inputs=(), example_kwargs=batch, solver="keep_all")
+
+
+def test_a_causal_lm_without_attention_mask_traces_no_mask_where_hugging_face_skips_the_shortcut_when_tracing(
+        monkeypatch):
+    """Hugging Face up to 5.17 kept the causal mask whenever it was tracing, padding mask or not
+    (`if is_tracing(padding_mask): return False`): a causal LM called without attention_mask traced a
+    materialized (B, 1, S, S) mask, so its SDPA stayed unfused and ran cuDNN's masked backward, 2.8x
+    eager's causal one on an H200. Without a padding mask the shortcut's answer depends on lengths
+    alone: it is answered as eager, and the attention fuses as with newer versions."""
+    import transformers.masking_utils as masking
+
+    newer = masking._ignore_causal_mask_sdpa
+
+    def as_in_5_17(padding_mask, *args, **kwargs):
+        if masking.is_tracing(padding_mask):
+            return False
+        return newer(padding_mask, *args, **kwargs)
+
+    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", as_in_5_17)
+    model, batch = _LossOf(hf_model("llama", dropout=0.0)), hf_batch("llama")
+    del batch["attention_mask"]
+    g = remat.capture(model, (), batch, quiet=True)
+    assert sum(n.op == "flash_attention.default" for n in g.nodes) == model.model.config.num_hidden_layers
+    assert not any("scaled_dot_product" in n.op for n in g.nodes)
+    params = list(model.parameters())
+    opt = remat.optimize(model, budget_bytes=2**40, example_inputs=(), example_kwargs=batch, solver="keep_all")
+    _assert_close(_loss_and_grads(opt, params, batch), _loss_and_grads(model, params, batch))
+    assert masking._ignore_causal_mask_sdpa is as_in_5_17  # put back after tracing
+    # a padding mask is still answered as under torch.compile: the graph keeps it
+    padded = hf_batch("llama")
+    g = remat.capture(model, (), padded, quiet=True)
+    assert any("scaled_dot_product" in n.op for n in g.nodes)
