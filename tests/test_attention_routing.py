@@ -540,6 +540,15 @@ class _GroupedQuery(torch.nn.Module):
         return out.float().pow(2).mean()
 
 
+def _as_torch_2_11(count):
+    """torch's SDPA FLOP formula as torch 2.11 had it: grouped-query shapes refused."""
+    def refusing(*shapes):
+        if len({s[1] for s in shapes}) > 1:
+            raise AssertionError("query/key/value shapes are incompatible")
+        return count(*shapes)
+    return refusing
+
+
 def test_grouped_query_attention_costs_its_flops_where_torch_refuses_the_shapes(monkeypatch):
     """torch before 2.13 asserted that SDPA's key/value have the query's heads, so the fused op's
     FLOPs (counted with torch's formula) were 0 for grouped-query attention: the cost model took the
@@ -547,15 +556,8 @@ def test_grouped_query_attention_costs_its_flops_where_torch_refuses_the_shapes(
     import remat.attention.router as router
     from torch.utils.flop_counter import bmm_flop
 
-    def strict(count):
-        def refusing(*shapes):
-            if len({s[1] for s in shapes}) > 1:
-                raise AssertionError("query/key/value shapes are incompatible")  # torch 2.11's check
-            return count(*shapes)
-        return refusing
-
-    monkeypatch.setattr(router, "sdpa_flop_count", strict(router.sdpa_flop_count))
-    monkeypatch.setattr(router, "sdpa_backward_flop_count", strict(router.sdpa_backward_flop_count))
+    monkeypatch.setattr(router, "sdpa_flop_count", _as_torch_2_11(router.sdpa_flop_count))
+    monkeypatch.setattr(router, "sdpa_backward_flop_count", _as_torch_2_11(router.sdpa_backward_flop_count))
     x = torch.randn(2, 32, 64)
     g = remat.capture(_GroupedQuery(), (x,), quiet=True)
     fwd = [n for n in g.nodes if n.op.startswith("flash_attention.")]
@@ -575,15 +577,8 @@ def test_unfused_grouped_query_attention_costs_its_flops_where_torch_refuses_the
 
     from remat.compat.torch_private import count_grouped_query_attention
 
-    def strict(count):
-        def refusing(*shapes):
-            if len({s[1] for s in shapes}) > 1:
-                raise AssertionError("query/key/value shapes are incompatible")  # torch 2.11's check
-            return count(*shapes)
-        return refusing
-
-    monkeypatch.setattr(fc, "sdpa_flop_count", strict(fc.sdpa_flop_count))
-    monkeypatch.setattr(fc, "sdpa_backward_flop_count", strict(fc.sdpa_backward_flop_count))
+    monkeypatch.setattr(fc, "sdpa_flop_count", _as_torch_2_11(fc.sdpa_flop_count))
+    monkeypatch.setattr(fc, "sdpa_backward_flop_count", _as_torch_2_11(fc.sdpa_backward_flop_count))
     aten = torch.ops.aten
     q, kv = torch.empty(2, 8, 32, 8, device="meta"), torch.empty(2, 2, 32, 8, device="meta")
     forward = flop_registry[aten._scaled_dot_product_flash_attention]
