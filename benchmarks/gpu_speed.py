@@ -4,8 +4,11 @@ decoder (vocab 128256, d 2048, 16 layers, GQA 32/8, tied embeddings, no dropout)
 sequence 4096, under the checkpointing people use and under remat at each of those peers' measured
 peaks.
 
-    python benchmarks/gpu_speed.py --out DIR [--batch 4] [--seq 4096] [--deadline-s 420]
+    python benchmarks/gpu_speed.py --out DIR [--batch 4] [--seq 4096] [--deadline-s 420] [--profile]
+                                   [--sdpa-rows] [--skip "compile,remat compiled"]
     python benchmarks/gpu_speed.py --out DIR --tiny        # a small model on the CPU: the script's smoke test
+    python benchmarks/gpu_speed.py --render benchmarks/results/gpu_speed_h200.json   # the README's table
+    bash benchmarks/gpu_session.sh gpu_speed.py ...        # on the GPU machine (wheels, the package laid out)
 
 Rows, in this order (each written to DIR/gpu_speed.{json,txt} as it ends; rows past the deadline are
 reported as not run):
@@ -18,6 +21,8 @@ reported as not run):
                              attention, recompute the rest
   compile budget 0.5 / 0.3   torch.compile with torch._functorch.config.activation_memory_budget
   remat @ <peer>             remat.optimize(budget_bytes=<that peer's measured step peak>)
+  remat (SDPA) @ <peer>      the same with fused_attention=False (torch's SDPA, e.g. cuDNN, instead of
+                             remat's Triton kernel), with --sdpa-rows
   remat compiled @ <peer>    the same with compiled=True (Inductor runs the plan's graphs)
 
 Per row: the step's measured peak (torch.cuda.max_memory_allocated over forward and backward, less
@@ -355,6 +360,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--deadline-s", type=float, default=420.0, help="start no row after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (smoke test)")
+    ap.add_argument("--sdpa-rows", action="store_true",
+                    help="also remat with attention left to torch's SDPA (fused_attention=False) at the checkpoint peers")
     ap.add_argument("--profile", action="store_true", help="profile one iteration per row (CUDA kernels by time)")
     ap.add_argument("--skip", default="", help="comma-separated row names (prefixes) not to run")
     args = ap.parse_args(argv)
@@ -444,25 +451,29 @@ def main(argv=None) -> int:
     for name, selective in (("checkpoint per block", False), ("selective per block (torchtitan)", True)):
         peers.append(attempt(name, lambda s=selective: (model, checkpointed(lm, s), {})))
 
-    def remat_row(peer: dict, compiled: bool):
+    def remat_row(peer: dict, compiled: bool, fused: bool = True):
+        """remat at `peer`'s measured step peak; `fused` False: attention left to torch's SDPA
+        (fused_attention=False) instead of remat's Triton kernel."""
         b = peer["step_peak_bytes"]
 
         def make():
             t0 = time.perf_counter()
             opt = remat.optimize(model, budget_bytes=b, example_inputs=(bench.batches[0],), compiled=compiled,
-                                 time_limit_s=SOLVE_LIMIT_S, quiet=True)
+                                 time_limit_s=SOLVE_LIMIT_S, quiet=True, fused_attention=fused)
             plan = opt.plan
             return opt, contextlib.nullcontext(), {
                 "budget_bytes": b, "predicted_peak_bytes": plan.predicted_peak_bytes, "optimize_s": time.perf_counter() - t0,
                 "plan_status": str(plan.status), "plan_gap": plan.gap, "plan_extra_flops": plan.extra_flops,
-                "loss_head": plan.details.get("loss_head")}
+                "loss_head": plan.details.get("loss_head"), "fused_attention": fused}
 
-        label = "remat compiled" if compiled else "remat"
+        label = ("remat compiled" if compiled else "remat") + ("" if fused else " (SDPA)")
         return attempt(f"{label} @ {peer['strategy']}", make, compiled=compiled, peer=peer["strategy"])
 
     for p in peers:
         if p and "step_peak_bytes" in p:
             remat_row(p, compiled=False)
+            if args.sdpa_rows:
+                remat_row(p, compiled=False, fused=False)
     # each compile peer, then remat at its peak: compiled first (Inductor against Inductor), then the
     # eager runtime
     for frac in (0.5, 0.3):
