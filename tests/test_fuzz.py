@@ -59,7 +59,7 @@ def cases(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
-@settings(max_examples=fuzz_count(50), deadline=None, derandomize=True,
+@settings(max_examples=fuzz_count(36), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_random_models_and_budgets(case):

@@ -215,10 +215,10 @@ def test_a_python_number_that_changes_every_step_costs_a_trace_not_a_solve(monke
     real_get, real_solve = pipeline.get_solver, pipeline.solve
     monkeypatch.setattr(pipeline, "get_solver", lambda name: solvers.append(name) or real_get(name))
     monkeypatch.setattr(pipeline, "solve", lambda *a, **k: solvers.append(k.get("solver")) or real_solve(*a, **k))
-    for scale in (0.5, 0.25, 2.0):
+    for scale in (0.5, 2.0):
         _zero(model, ref)
         _assert_same(model, ref, _step(opt, (*inputs, scale)), _step(ref, (*inputs, scale)))
-    assert [r.how.split(" of ")[0] for r in opt.plan_log] == ["solved"] + ["reused the schedule"] * 3
+    assert [r.how.split(" of ")[0] for r in opt.plan_log] == ["solved"] + ["reused the schedule"] * 2
     assert "checkmate" not in solvers, solvers
 
 
