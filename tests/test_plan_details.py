@@ -13,7 +13,7 @@ from tests.conftest import training_chain, transformer_like
 KNOWN = set(PlanDetails.__annotations__)
 
 
-@pytest.mark.parametrize("g", [transformer_like(2, 0, d=1 << 14), training_chain(8, 3)], ids=["transformer", "chain"])
+@pytest.mark.parametrize("g", [transformer_like(1, 0, d=1 << 14), training_chain(8, 3)], ids=["transformer", "chain"])
 def test_details_keys_are_typed(g):
     full = simulate(g, keep_all_schedule(g)).peak_bytes
     plans = []
