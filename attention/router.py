@@ -39,34 +39,32 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+import torch.utils.flop_counter as flop_counter
+from torch.utils.flop_counter import register_flop_formula
 
 from remat.attention.dropout_hash import draw_seed
 from remat.attention.launch import TRITON_MAX_HEAD_DIM
 from remat.attention.op import flash_attention
 from remat.attention.pattern import ExplicitAttentionTracker, version_of
+from remat.compat.torch_private import count_grouped_query_attention
 
 __all__ = ["route_attention", "AttentionRouter", "fused_attention_mode", "autocast_fusion_reason"]
 
 
-def _query_heads(q_shape, kv_shape) -> tuple:
-    """A key/value shape with the query's heads: grouped-query attention costs what attention with
-    each key/value head repeated for its queries costs (the kernel broadcasts them). torch before
-    2.13 refuses the grouped shapes (AssertionError), which left the op at 0 FLOPs in the cost model."""
-    return (kv_shape[0], q_shape[1], *kv_shape[2:])
-
-
 # FLOPs of the fused op, counted as PyTorch counts SDPA (so FlopCounterMode and the cost model
-# see the same numbers as for the attention it replaces)
+# see the same numbers as for the attention it replaces); through the module's functions, which
+# count_grouped_query_attention makes count grouped-query shapes on torch < 2.13
+count_grouped_query_attention()
+
+
 @register_flop_formula(torch.ops.remat.flash_attention)
 def _flash_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(q_shape, _query_heads(q_shape, k_shape), _query_heads(q_shape, v_shape))
+    return flop_counter.sdpa_flop_count(q_shape, k_shape, v_shape)
 
 
 @register_flop_formula(torch.ops.remat.flash_attention_backward)
 def _flash_bwd_flops(dout_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(dout_shape, q_shape, _query_heads(q_shape, k_shape),
-                                    _query_heads(q_shape, v_shape))
+    return flop_counter.sdpa_backward_flop_count(dout_shape, q_shape, k_shape, v_shape)
 
 
 def autocast_fusion_reason(t: torch.Tensor) -> str | None:

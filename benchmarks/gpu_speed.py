@@ -381,9 +381,8 @@ def main(argv=None) -> int:
 
     if args.tiny:
         UNIT[:] = [2**20, "MiB"]
-    from remat.compat.torch_private import count_grouped_query_attention
-
-    count_grouped_query_attention()  # FlopCounterMode on Hugging Face's enable_gqa attention (torch < 2.13)
+    # importing remat made FlopCounterMode count Hugging Face's enable_gqa attention on torch < 2.13
+    # (compat.count_grouped_query_attention)
     bench = Bench(args)
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "cpu_cores": os.cpu_count(), "device": torch.cuda.get_device_name() if not args.tiny else "cpu"}

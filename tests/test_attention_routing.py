@@ -553,11 +553,14 @@ def test_grouped_query_attention_costs_its_flops_where_torch_refuses_the_shapes(
     """torch before 2.13 asserted that SDPA's key/value have the query's heads, so the fused op's
     FLOPs (counted with torch's formula) were 0 for grouped-query attention: the cost model took the
     attention of every Llama, Mistral and Qwen2 as free to recompute."""
-    import remat.attention.router as router
+    import torch.utils.flop_counter as fc
     from torch.utils.flop_counter import bmm_flop
 
-    monkeypatch.setattr(router, "sdpa_flop_count", _as_torch_2_11(router.sdpa_flop_count))
-    monkeypatch.setattr(router, "sdpa_backward_flop_count", _as_torch_2_11(router.sdpa_backward_flop_count))
+    from remat.compat.torch_private import count_grouped_query_attention
+
+    monkeypatch.setattr(fc, "sdpa_flop_count", _as_torch_2_11(fc.sdpa_flop_count))
+    monkeypatch.setattr(fc, "sdpa_backward_flop_count", _as_torch_2_11(fc.sdpa_backward_flop_count))
+    count_grouped_query_attention()  # what importing remat does on such a torch
     x = torch.randn(2, 32, 64)
     g = remat.capture(_GroupedQuery(), (x,), quiet=True)
     fwd = [n for n in g.nodes if n.op.startswith("flash_attention.")]
