@@ -28,7 +28,8 @@ from remat.attention.dropout_hash import dropout_keep_tl, dropout_threshold
 from remat.attention.reference import new_attention_output
 
 __all__ = ["TRITON_MAX_HEAD_DIM", "INTERPRET_BLOCKS", "GPU_CONFIGS", "GPU_FP32_CONFIG", "triton_available",
-           "import_triton", "interpret_mode", "set_triton_mode", "get_triton_mode", "use_triton",
+           "bind_globals", "import_triton", "interpret_mode", "set_triton_mode", "get_triton_mode", "triton_runs_on",
+           "use_triton",
            "jit_kernels", "block_d", "triton_forward", "triton_backward"]
 
 # Largest head dim the Triton kernels take; bigger ones use the reference path.
@@ -75,6 +76,16 @@ def get_triton_mode() -> str:
     return _mode[0]
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether remat's Triton kernels run on tensors of `device` in the current mode: compiled on
+    CUDA, interpreted on CPU in "interpret" mode with TRITON_INTERPRET=1, never in "never" mode."""
+    mode = get_triton_mode()
+    return (mode != "never"
+            and ((device.type == "cuda" and not interpret_mode())
+                 or (device.type == "cpu" and mode == "interpret" and interpret_mode()))
+            and triton_available())
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether attention on tensors like ``t`` (the query) runs the Triton kernels."""
     mode = get_triton_mode()
@@ -84,9 +95,7 @@ def use_triton(t: torch.Tensor) -> bool:
         t.dtype in _TRITON_DTYPES
         and t.dim() == 4
         and 1 <= t.shape[-1] <= TRITON_MAX_HEAD_DIM
-        and ((t.device.type == "cuda" and not interpret_mode())
-             or (t.device.type == "cpu" and mode == "interpret" and interpret_mode()))
-        and triton_available()
+        and triton_runs_on(t.device)
     )
     if not ok and mode == "always":
         raise RuntimeError(
@@ -131,7 +140,7 @@ def _autotune_enabled() -> bool:
     return os.environ.get("REMAT_FLASH_AUTOTUNE", "1") != "0"
 
 
-def _bound(fn, namespace: dict):
+def bind_globals(fn, namespace: dict):
     """`fn` with its global names looked up in `namespace` (same code, so Triton reads the same
     source; the interpreter may add names to the namespace, which is this mode's own dict)."""
     bound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -148,7 +157,7 @@ def _jit_namespace(interpret: bool) -> dict:
     so callers jit with the variable set as `interpret` says (see `jit_kernels`)."""
     triton = import_triton()
     namespace = {"__builtins__": builtins, "__name__": kernels.__name__, "tl": triton.language}
-    namespace["dropout_keep_tl"] = triton.jit(_bound(dropout_keep_tl, namespace))
+    namespace["dropout_keep_tl"] = triton.jit(bind_globals(dropout_keep_tl, namespace))
     return namespace
 
 
@@ -165,7 +174,7 @@ def jit_kernels(interpret: bool, fp32: bool = False) -> dict:
     namespace = _jit_namespace(interpret)
     ks = {}
     for name, body in _BODIES.items():
-        jitted = triton.jit(_bound(body, namespace), do_not_specialize=_NO_SPECIALIZE[name])
+        jitted = triton.jit(bind_globals(body, namespace), do_not_specialize=_NO_SPECIALIZE[name])
         if tune and name != "pre":
             configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
                        for bm, bn, w, st in GPU_CONFIGS[name]]

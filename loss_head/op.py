@@ -15,10 +15,11 @@ torch's) or "sum"; label smoothing as torch's.
 
 Forward: over chunks of `chunk_rows` rows, each chunk's logits are computed, its rows' log-softmax
 (torch's kernel, so each row's values are eager's) gives the loss terms; only the per-row
-log-sum-exp (N,) is kept. Backward: over blocks of `block_cols` vocabulary columns, each block's
-logits are recomputed for all rows, their gradient `softmax * s - s * ((1 - eps) onehot + eps / V)`
-formed, and `dW[block] = dz.T @ h`, `db[block] = dz.sum(0)` computed in one matmul over all rows,
-as eager's linear backward does (each column's reduction over the rows is eager's); `dh` is summed
+log-sum-exp (N,) is kept (the row's largest logit less its log-softmax there). Backward: over
+blocks of `block_cols` vocabulary columns, each block's logits are recomputed for all rows, their
+gradient `softmax * s - s * ((1 - eps) onehot + eps / V)` formed (loss_head/softmax_grad.py: one
+Triton pass on the GPU, the PyTorch ops elsewhere), and `dW[block] = dz.T @ h`,
+`db[block] = dz.sum(0)` computed in one matmul over all rows, as eager's linear backward does (each column's reduction over the rows is eager's); `dh` is summed
 over the blocks in float32 (float64 for float64) and rounded once. What can differ from eager is
 therefore only (a) the sums over rows of the loss (per chunk, then over chunks) and (b) dh's sum over
 vocabulary blocks, a reduction eager does inside one matmul: float32 rounding-order differences
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from remat.core.errors import RematError
+from remat.loss_head.softmax_grad import softmax_grad
 
 __all__ = ["ChunkedLossError", "chunked_linear_cross_entropy", "chunked_linear_cross_entropy_op",
            "chunked_linear_cross_entropy_backward_op", "chunk_rows_for", "block_cols_for", "REDUCTIONS"]
@@ -73,12 +75,6 @@ def _check(h, weight, bias, target, reduction: str, rows: int) -> None:
         raise ChunkedLossError(f"chunk_rows must be >= 1, got {rows}")
 
 
-def _logits(h, weight, bias, compute_dtype, math_dtype):
-    z = F.linear(h.to(compute_dtype), weight.to(compute_dtype),
-                 None if bias is None else bias.to(compute_dtype))
-    return z.to(math_dtype)
-
-
 @torch.library.custom_op("remat::chunked_linear_cross_entropy", mutates_args=())
 def chunked_linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                     target: torch.Tensor, ignore_index: int, label_smoothing: float,
@@ -86,23 +82,29 @@ def chunked_linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, bias:
                                     chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check(h, weight, bias, target, reduction, chunk_rows)
     n, v = h.shape[0], weight.shape[0]
-    # the casts are the model's (autocast's, or its .float()), applied in _logits: autocast must
+    # the casts are the model's (autocast's, or its .float()), applied to the chunks' operands: autocast must
     # not cast anything again inside the op
     with torch.autocast(h.device.type, enabled=False):
         lse = torch.empty(n, dtype=math_dtype, device=h.device)
         nll = torch.zeros((), dtype=math_dtype, device=h.device)
         smooth = torch.zeros((), dtype=math_dtype, device=h.device)
+        hc, wc = h.to(compute_dtype), weight.to(compute_dtype)
+        bc = None if bias is None else bias.to(compute_dtype)
         for r0 in range(0, n, chunk_rows):
             r1 = min(n, r0 + chunk_rows)
-            z = _logits(h[r0:r1], weight, bias, compute_dtype, math_dtype)
-            logp = torch.log_softmax(z, dim=-1)  # torch's kernel: each row's values are eager's
+            z = F.linear(hc[r0:r1], wc, bc)  # the logits in the model's dtype
+            # torch's kernel on the upcast logits: each row's values are eager's
+            logp = torch.log_softmax(z, dim=-1, dtype=math_dtype)
             t = target[r0:r1]
             valid = t != ignore_index
             picked = logp.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
             nll = nll + torch.where(valid, -picked, 0).sum()
             if label_smoothing > 0:
                 smooth = smooth + torch.where(valid, -logp.sum(-1), 0).sum()
-            lse[r0:r1] = torch.logsumexp(z, dim=-1)
+            # the log-sum-exp from the row's largest logit, where log-softmax is -log(sum(exp(z - max))):
+            # max + log(sum), as torch.logsumexp, without its four more passes over the chunk
+            zmax, at = z.max(dim=-1, keepdim=True)
+            lse[r0:r1] = (zmax.to(math_dtype) - logp.gather(1, at)).squeeze(1)
             del z, logp
         if reduction == "mean":  # torch's: the sums over the rows not ignored, over their count
             count = (target != ignore_index).sum().to(math_dtype)
@@ -154,7 +156,7 @@ def chunked_linear_cross_entropy_backward_op(dloss: torch.Tensor, h: torch.Tenso
         if reduction == "mean":
             scale = scale / valid.sum().to(math_dtype)
         # per-row factor of the gradient; ignored rows get none (eager's are exactly zero)
-        s = torch.where(valid, scale, torch.zeros((), dtype=math_dtype, device=h.device)).unsqueeze(1)
+        s = torch.where(valid, scale, torch.zeros((), dtype=math_dtype, device=h.device))
         safe_t = torch.where(valid, target, 0)
         hc = h.to(compute_dtype)
         acc = _acc_dtype(compute_dtype)
@@ -164,18 +166,11 @@ def chunked_linear_cross_entropy_backward_op(dloss: torch.Tensor, h: torch.Tenso
         for c0 in range(0, v, block_cols):
             c1 = min(v, c0 + block_cols)
             wb = weight[c0:c1].to(compute_dtype)
-            z = F.linear(hc, wb, None if bias is None else bias[c0:c1].to(compute_dtype)).to(math_dtype)
-            dz = torch.exp(z - lse.unsqueeze(1)) * s  # softmax * s
+            z = F.linear(hc, wb, None if bias is None else bias[c0:c1].to(compute_dtype))
+            # softmax * s - s * ((1 - eps) onehot + eps / V), in the math dtype, rounded to the logits'
+            # dtype: eager's linear backward gets the gradient in the logits' dtype
+            dzc = softmax_grad(z, lse, s, safe_t, c0, label_smoothing / v, -(1 - label_smoothing), compute_dtype)
             del z
-            if label_smoothing > 0:
-                dz = dz - s * (label_smoothing / v)
-            # the target's term, for the rows whose target is in this block (others add 0 exactly);
-            # allocations of fixed size, whatever the targets, so the measured workspace is the op's
-            hit = ((safe_t >= c0) & (safe_t < c1)).unsqueeze(1)
-            col = (safe_t - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
-            dz.scatter_add_(1, col, torch.where(hit, s * -(1 - label_smoothing), 0.0))
-            dzc = dz.to(compute_dtype)  # eager's linear backward gets the gradient in the logits' dtype
-            del dz
             # dW and db of the block: one reduction over all rows, as eager's; dh: summed over blocks
             dw[c0:c1] = dzc.t() @ hc
             if bias is not None:

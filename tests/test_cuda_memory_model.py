@@ -63,8 +63,8 @@ def test_library_workspaces_count_only_on_cuda():
 
 def test_bound_kernels_keep_the_constexpr_annotations_triton_reads():
     from remat.attention import kernels
-    from remat.attention.launch import _bound
+    from remat.attention.launch import bind_globals
 
-    bound = _bound(kernels.attn_fwd_kernel, {})
+    bound = bind_globals(kernels.attn_fwd_kernel, {})
     assert bound.__annotations__ == kernels.attn_fwd_kernel.__annotations__
     assert "constexpr" in str(bound.__annotations__["HEAD_DIM"])
