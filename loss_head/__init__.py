@@ -4,8 +4,8 @@ traced step.
 * `op`: `torch.ops.remat.chunked_linear_cross_entropy` (forward, backward, fake kernels, autograd):
   the loss of `cross_entropy(h @ W.T [+ b])` computed by row chunks, the logits recomputed by
   vocabulary blocks in the backward, so no [tokens, vocab] tensor lives whole;
-* `softmax_grad`: a vocabulary block's gradient of the logits, one Triton pass on the GPU (the
-  launch helpers are attention's), the PyTorch ops elsewhere;
+* `kernels`: the chunk's loss terms and a vocabulary block's gradient of the logits, one Triton pass
+  each on the GPU (the launch helpers are attention's), the PyTorch ops elsewhere;
 * `router`: `route_loss_head()` replaces a linear head followed by cross-entropy while a step is
   traced, where it can prove the replacement computes the same function, and records why not elsewhere.
 

@@ -13,11 +13,11 @@ Hugging Face's loss, or autocast's float32 cross-entropy), where log-softmax, th
 gradient are computed. reduction is "mean" (over the rows whose target is not ignore_index, as
 torch's) or "sum"; label smoothing as torch's.
 
-Forward: over chunks of `chunk_rows` rows, each chunk's logits are computed, its rows' log-softmax
-(torch's kernel, so each row's values are eager's) gives the loss terms; only the per-row
-log-sum-exp (N,) is kept (the row's largest logit less its log-softmax there). Backward: over
+Forward: over chunks of `chunk_rows` rows, each chunk's logits are computed and give the loss terms
+(loss_head/kernels.py: its rows' log-softmax, torch's kernel, so each row's values are eager's; on the
+GPU one Triton pass); only the per-row log-sum-exp (N,) is kept. Backward: over
 blocks of `block_cols` vocabulary columns, each block's logits are recomputed for all rows, their
-gradient `softmax * s - s * ((1 - eps) onehot + eps / V)` formed (loss_head/softmax_grad.py: one
+gradient `softmax * s - s * ((1 - eps) onehot + eps / V)` formed (loss_head/kernels.py: one
 Triton pass on the GPU, the PyTorch ops elsewhere), and `dW[block] = dz.T @ h`,
 `db[block] = dz.sum(0)` computed in one matmul over all rows, as eager's linear backward does (each column's reduction over the rows is eager's); `dh` is summed
 over the blocks in float32 (float64 for float64) and rounded once. What can differ from eager is
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from remat.core.errors import RematError
-from remat.loss_head.softmax_grad import softmax_grad
+from remat.loss_head.kernels import chunk_loss_terms, softmax_grad
 
 __all__ = ["ChunkedLossError", "chunked_linear_cross_entropy", "chunked_linear_cross_entropy_op",
            "chunked_linear_cross_entropy_backward_op", "chunk_rows_for", "block_cols_for", "REDUCTIONS"]
@@ -93,19 +93,14 @@ def chunked_linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, bias:
         for r0 in range(0, n, chunk_rows):
             r1 = min(n, r0 + chunk_rows)
             z = F.linear(hc[r0:r1], wc, bc)  # the logits in the model's dtype
-            # torch's kernel on the upcast logits: each row's values are eager's
-            logp = torch.log_softmax(z, dim=-1, dtype=math_dtype)
             t = target[r0:r1]
             valid = t != ignore_index
-            picked = logp.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
-            nll = nll + torch.where(valid, -picked, 0).sum()
+            chunk_nll, chunk_smooth, lse[r0:r1] = chunk_loss_terms(z, torch.where(valid, t, 0), valid, math_dtype,
+                                                                   label_smoothing > 0)
+            nll = nll + chunk_nll
             if label_smoothing > 0:
-                smooth = smooth + torch.where(valid, -logp.sum(-1), 0).sum()
-            # the log-sum-exp from the row's largest logit, where log-softmax is -log(sum(exp(z - max))):
-            # max + log(sum), as torch.logsumexp, without its four more passes over the chunk
-            zmax, at = z.max(dim=-1, keepdim=True)
-            lse[r0:r1] = (zmax.to(math_dtype) - logp.gather(1, at)).squeeze(1)
-            del z, logp
+                smooth = smooth + chunk_smooth
+            del z
         if reduction == "mean":  # torch's: the sums over the rows not ignored, over their count
             count = (target != ignore_index).sum().to(math_dtype)
             nll = nll / count

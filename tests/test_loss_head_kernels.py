@@ -1,4 +1,4 @@
-"""The chunked loss head's softmax-gradient kernel (loss_head/softmax_grad.py) in Triton's interpreter
+"""The chunked loss head's softmax-gradient kernel (loss_head/kernels.py) in Triton's interpreter
 on CPU tensors, against the PyTorch ops it replaces on the GPU: the same float32 operations (exp is
 Triton's, not torch's), so within float32 rounding of them before the final cast, and one rounding
 step of the output dtype after it."""
@@ -9,7 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the loss head's kernel tests skipped")
 from remat.attention import launch  # noqa: E402
-from remat.loss_head import softmax_grad as sg  # noqa: E402
+from remat.loss_head import kernels as sg  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +59,38 @@ def test_the_kernel_computes_the_pytorch_ops_gradient(dtype, smoothing, monkeypa
     torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=torch.finfo(dtype).eps,
                                atol=1e-6 * want.abs().max().item())
     assert torch.all(got[s == 0] == 0)  # ignored rows get no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("smoothing", [False, True])
+def test_the_row_kernel_computes_the_pytorch_ops_loss_terms(dtype, smoothing, monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    n, v = 11, 100  # not a multiple of the interpreter's 32-column steps: the row's tail is masked
+    z = (torch.randn(n, v, generator=g) * 5).to(dtype)
+    # a column no row can pick (a masked vocabulary entry: with label smoothing a -inf logit makes
+    # the loss infinite, in eager too, so a very negative one there), and a row whose first steps
+    # see only -inf
+    z[:, 7] = -1e4 if smoothing else float("-inf")
+    z[2, :40] = -1e4 if smoothing else float("-inf")
+    t = torch.randint(0, v, (n,), generator=g)
+    t[t == 7] = 8
+    t[2] = 50  # each target's logit finite: a finite loss to compare
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[[1, 6]] = False  # ignored rows
+    safe_t = torch.where(valid, t, 0)
+    want = sg.chunk_loss_terms_torch(z, safe_t, valid, torch.float32, smoothing)
+    calls = []
+    monkeypatch.setattr(sg, "chunk_loss_terms_torch", lambda *a: calls.append(a))
+    got = sg.chunk_loss_terms(z, safe_t, valid, torch.float32, smoothing)
+    assert not calls  # the kernel ran
+    assert (got[1] is None) == (not smoothing) and torch.isfinite(want[0]) and (not smoothing or torch.isfinite(want[1]))
+    for a, b in zip(got, want):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+    # a target outside the vocabulary makes the loss NaN on the kernel path (torch's gather raises)
+    bad = safe_t.clone()
+    bad[0] = v
+    assert sg.chunk_loss_terms(z, bad, valid, torch.float32, smoothing)[0].isnan()
 
 
 def test_the_pytorch_ops_run_where_the_kernel_does_not():
