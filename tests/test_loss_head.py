@@ -85,6 +85,8 @@ def test_op_traces_on_fake_and_meta_tensors():
     dh, dw = torch.autograd.grad(loss, [h, w])
     assert dh.shape == h.shape and dw.shape == w.shape
     assert chunk_rows_for(4096, 2048, 128256) * 128256 <= 4096 * 2048  # a chunk's logits <= the hidden states
+    # whole GEMM tiles of rows where the rule gives more than one tile: 261 -> 256
+    assert chunk_rows_for(16384, 2048, 128256) == 256 and chunk_rows_for(4096, 2048, 128256) == 65
 
 
 def test_op_under_torch_compile():
