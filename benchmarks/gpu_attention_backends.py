@@ -20,13 +20,14 @@ Writes DIR/gpu_attention_backends.{json,txt}.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from gpu_common import Report
 
 SHAPES = [  # (B, Hq, Hkv, S, D): the Llama-3.2-1B step's, the same without GQA, a d-128 one
     (4, 32, 8, 4096, 64),
@@ -150,12 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        lines.append(msg)
+    rep = Report()
+    log = rep.log
 
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to check")
@@ -167,8 +164,8 @@ def main(argv=None) -> int:
         log(f"shape (B, Hq, Hkv, S, D) = {shape}")
         rows.append(check_shape(shape, log))
         torch.cuda.empty_cache()
-    (out / "gpu_attention_backends.json").write_text(json.dumps(rows, indent=2, default=str))
-    (out / "gpu_attention_backends.txt").write_text("\n".join(lines) + "\n")
+    rep.data = {"rows": rows}
+    rep.save(out, "gpu_attention_backends")
     return 0
 
 

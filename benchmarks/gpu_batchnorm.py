@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+from gpu_common import Report
 
 
 class Block(nn.Module):
@@ -117,7 +118,8 @@ def check(model, inputs, solver: str, rewrite: bool, log, control=None) -> tuple
     row["pass"] = row.get("equal_to_control", True) and abs(measured / pred - 1) <= 0.03
     log(f"  {solver:13s} rewrite {str(rewrite):5s}: BatchNorms recomputable {len(bns)}, recomputed "
         f"{len(recomputed)}; loss/grads/running stats equal {same[0]}/{all(same[1:])}/{bufs_same} "
-        f"(max err {err:.1e}); equal to the graph without the rewrite: {row.get('equal_to_control', '-')}; peak measured {measured} predicted {pred} ({measured / pred:.4f}) "
+        f"(max err {err:.1e}); equal to the graph without the rewrite: {row.get('equal_to_control', '-')}; "
+        f"peak measured {measured} predicted {pred} ({measured / pred:.4f}) "
         f"-> {'ok' if row['pass'] else 'FAIL'}")
     return row, (got, got_buf)
 
@@ -131,12 +133,8 @@ def main(argv=None) -> int:
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        lines.append(msg)
+    rep = Report()
+    log = rep.log
 
     log(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}")
     log(f"command: python benchmarks/gpu_batchnorm.py {' '.join(argv or sys.argv[1:])}")
@@ -150,8 +148,8 @@ def main(argv=None) -> int:
     tried = [r for r in rows if r["rewrite"]]
     ok = all(r["pass"] for r in tried) and any(r["recomputed_batch_norms"] for r in tried)
     log(f"BatchNorm recompute on {device.type}: {'BIT-IDENTICAL, memory within 3%' if ok else 'FAILURES'}")
-    (out / "gpu_batchnorm.json").write_text(json.dumps({"rows": rows, "all_pass": ok}, indent=2, default=str))
-    (out / "gpu_batchnorm.txt").write_text("\n".join(lines) + "\n")
+    rep.data = {"rows": rows, "all_pass": ok}
+    rep.save(out, "gpu_batchnorm")
     return 0 if ok else 1
 
 

@@ -23,7 +23,6 @@ Writes DIR/gpu_check.json and DIR/gpu_check.txt after each part. Without CUDA it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -340,8 +339,7 @@ def main(argv=None) -> int:
 
     def dump():
         rep.data["wall_s"] = time.time() - t_start
-        (out / "gpu_check.json").write_text(json.dumps(rep.data, indent=2, default=str))
-        (out / "gpu_check.txt").write_text("\n".join(rep.lines) + "\n")
+        rep.save(out, "gpu_check")
 
     # the pipeline first: it needs no autotuning (fp32 runs fixed kernel configs), the attention
     # parts compile and tune the bf16/fp16 kernels

@@ -4,6 +4,7 @@ checkout."""
 from __future__ import annotations
 
 import importlib.machinery
+import json
 import importlib.util
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def load_attention_module():
 
 
 class Report:
-    """The lines printed and saved as gpu_check.txt, and the data saved as gpu_check.json."""
+    """The lines printed and saved as NAME.txt, and the data saved as NAME.json (`save`)."""
 
     def __init__(self):
         self.lines: list[str] = []
@@ -50,3 +51,9 @@ class Report:
         """Print `msg` and keep it for the text report."""
         print(msg, flush=True)
         self.lines.append(msg)
+
+    def save(self, out: Path, name: str) -> None:
+        """Write out/NAME.json (the data) and out/NAME.txt (the lines)."""
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(self.data, indent=2, default=str))
+        (out / f"{name}.txt").write_text("\n".join(self.lines) + "\n")

@@ -17,12 +17,13 @@ Writes DIR/gpu_dropout.json and .txt; exit status 0 only when every check is bit
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from gpu_common import Report
 
 SHAPES = [(7,), (1000,), (64, 33, 17), (4, 512, 1024)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -140,12 +141,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        lines.append(msg)
+    rep = Report()
+    log = rep.log
 
     log(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}")
     log(f"command: python benchmarks/gpu_dropout.py {' '.join(argv or sys.argv[1:])}")
@@ -167,8 +164,8 @@ def main(argv=None) -> int:
     data["all_pass"] = (all(r["pass"] for r in data["op"] + data["models"])
                         and any(r["replayed"] for r in data["models"]))
     log(f"dropout replay on {device.type}: {'ALL BIT-IDENTICAL' if data['all_pass'] else 'FAILURES'}")
-    (out / "gpu_dropout.json").write_text(json.dumps(data, indent=2, default=str))
-    (out / "gpu_dropout.txt").write_text("\n".join(lines) + "\n")
+    rep.data = data
+    rep.save(out, "gpu_dropout")
     return 0 if data["all_pass"] else 1
 
 

@@ -19,11 +19,13 @@ GPU one Triton pass); only the per-row log-sum-exp (N,) is kept. Backward: over
 blocks of `block_cols` vocabulary columns, each block's logits are recomputed for all rows, their
 gradient `softmax * s - s * ((1 - eps) onehot + eps / V)` formed (loss_head/kernels.py: one
 Triton pass on the GPU, the PyTorch ops elsewhere), and `dW[block] = dz.T @ h`,
-`db[block] = dz.sum(0)` computed in one matmul over all rows, as eager's linear backward does (each column's reduction over the rows is eager's); `dh` is summed
-over the blocks in float32 (float64 for float64) and rounded once. What can differ from eager is
-therefore only (a) the sums over rows of the loss (per chunk, then over chunks) and (b) dh's sum over
-vocabulary blocks, a reduction eager does inside one matmul: float32 rounding-order differences
-(relative ~1e-6), and for 16-bit logits at most one rounding of the final 16-bit value.
+`db[block] = dz.sum(0)` computed in one matmul over all rows, as eager's linear backward does
+(each column's reduction over the rows is eager's); `dh` is summed over the blocks in float32
+(float64 for float64) and rounded once. What can differ from eager on the CPU is therefore only
+(a) the sums over rows of the loss (per chunk, then over chunks) and (b) dh's sum over vocabulary
+blocks, a reduction eager does inside one matmul: float32 rounding-order differences (relative
+~1e-6), and for 16-bit logits at most one rounding of the final 16-bit value; on the GPU the
+kernels' exp, log and sums add differences of the same order (loss_head/kernels.py).
 
 Memory: one chunk's logits (chunk_rows x V) in the forward, one block's (N x block_cols) in the
 backward, plus dh's float32 accumulator (N x d). Costs: forward 2NdV FLOPs, backward 6NdV (the logits
