@@ -175,8 +175,8 @@ def softmax_grad(z: torch.Tensor, lse: torch.Tensor, s: torch.Tensor, target: to
     triton = import_triton()
     grid = (triton.cdiv(n, br), triton.cdiv(c, bc))
     with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
-        _jitted("grad", interpret)[grid](z, lse.contiguous(), s.contiguous(), target.contiguous(), dz, n, c, z.stride(0),
-                                 dz.stride(0), c0, float(smooth), float(hit_scale), SMOOTH=smooth > 0,
-                                 BLOCK_R=br, BLOCK_C=bc, **({} if interpret else {"num_warps": 4}))
+        _jitted("grad", interpret)[grid](z, lse.contiguous(), s.contiguous(), target.contiguous(), dz, n, c,
+                                         z.stride(0), dz.stride(0), c0, float(smooth), float(hit_scale),
+                                         SMOOTH=smooth > 0, BLOCK_R=br, BLOCK_C=bc,
+                                         **({} if interpret else {"num_warps": 4}))
     return dz
-

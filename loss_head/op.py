@@ -91,8 +91,8 @@ def chunked_linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, bias:
                                     chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check(h, weight, bias, target, reduction, chunk_rows)
     n, v = h.shape[0], weight.shape[0]
-    # the casts are the model's (autocast's, or its .float()), applied to the chunks' operands: autocast must
-    # not cast anything again inside the op
+    # the casts are the model's (autocast's, or its .float()), applied to the operands here:
+    # autocast must not cast anything again inside the op
     with torch.autocast(h.device.type, enabled=False):
         lse = torch.empty(n, dtype=math_dtype, device=h.device)
         nll = torch.zeros((), dtype=math_dtype, device=h.device)
