@@ -50,8 +50,9 @@ def _time(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _err(a, b) -> float:
-    return float((a.float() - b.float()).abs().max())
+def _err(a, b) -> float | None:
+    """Max abs difference (None where a side is missing: a step before failed)."""
+    return None if a is None or b is None else float((a.float() - b.float()).abs().max())
 
 
 def check_shape(shape, log) -> dict:
@@ -75,19 +76,28 @@ def check_shape(shape, log) -> dict:
             traceback.print_exc()
         log(f"  {name}: {row[name]}")
 
-    # the reference: float32 SDPA (math), expanded heads
-    qf, kf, vf = (t.float().requires_grad_() for t in (q, ke, ve))
-    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
-    ref.backward(do.float())
-    ref_lse = torch.logsumexp((qf @ kf.transpose(-1, -2) * scale).masked_fill(
-        torch.ones(S, S, device="cuda", dtype=torch.bool).triu(1), float("-inf")), dim=-1) if S <= 4096 else None
+    refs: dict = {}
+
+    def reference():  # float32 SDPA on expanded heads, and the causal rows' log-sum-exp
+        qf, kf, vf = (t.float().requires_grad_() for t in (q, ke, ve))
+        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+        out.backward(do.float())
+        with torch.no_grad():
+            scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill_(
+                torch.ones(S, S, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+            refs.update(out=out.detach(), dq=qf.grad, lse=torch.logsumexp(scores, dim=-1))
+        return "ok"
+
+    step("reference", reference)
+    ref = refs.get("out")
+    ref_lse = refs.get("lse")
 
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     out_r, lse_r = flash_attention_with_lse(qr, kr, vr, causal=True, scale=scale)
     out_r.backward(do)
     step("remat_out_err", lambda: _err(out_r, ref))
-    step("remat_lse_err", lambda: None if ref_lse is None else _err(lse_r, ref_lse))
-    step("remat_dq_err", lambda: _err(qr.grad, qf.grad))
+    step("remat_lse_err", lambda: _err(lse_r, ref_lse))
+    step("remat_dq_err", lambda: _err(qr.grad, refs["dq"]))
 
     cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
     cudnn_bwd = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
@@ -99,7 +109,7 @@ def check_shape(shape, log) -> dict:
         return {"out": [list(o[0].shape), list(o[0].stride()), str(o[0].dtype)],
                 "lse": [list(o[1].shape), list(o[1].stride()), str(o[1].dtype)],
                 "max_q": int(o[4]), "out_err": _err(o[0], ref),
-                "lse_err_vs_reference": None if ref_lse is None else _err(o[1].reshape(B, H, S), ref_lse),
+                "lse_err_vs_reference": _err(o[1].reshape(B, H, S), ref_lse),
                 "lse_err_vs_remat": _err(o[1].reshape(B, H, S), lse_r)}
 
     step("cudnn_forward_gqa_as_is", lambda: forward(k, v, "gqa"))
@@ -112,7 +122,7 @@ def check_shape(shape, log) -> dict:
         if dk.shape[1] != HKV:  # expanded heads: sum each group's
             dk = dk.unflatten(1, (HKV, H // HKV)).sum(2)
             dv = dv.unflatten(1, (HKV, H // HKV)).sum(2)
-        return {"dq_err": _err(dq, qf.grad), "dk_err_vs_remat": _err(dk, kr.grad), "dv_err_vs_remat": _err(dv, vr.grad)}
+        return {"dq_err": _err(dq, refs["dq"]), "dk_err_vs_remat": _err(dk, kr.grad), "dv_err_vs_remat": _err(dv, vr.grad)}
 
     key = "gqa" if isinstance(row.get("cudnn_forward_gqa_as_is"), dict) else "expanded"
     kk, vv = (k, v) if key == "gqa" else (ke, ve)
