@@ -18,16 +18,14 @@ bit-identical to the control and measured within 3% of predicted (eager's values
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from gpu_common import Report
+from gpu_common import Report, out_and_device
 
 
 class Block(nn.Module):
@@ -125,14 +123,9 @@ def check(model, inputs, solver: str, rewrite: bool, log, control=None) -> tuple
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    out, device = out_and_device(__doc__, argv)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    out = Path(args.out)
     rep = Report()
     log = rep.log
 

@@ -9,7 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-__all__ = ["EXIT_NO_GPU", "REPO", "Report", "load_attention_module"]
+__all__ = ["EXIT_NO_GPU", "REPO", "Report", "load_attention_module", "out_and_device"]
 
 EXIT_NO_GPU = 2
 REPO = Path(__file__).resolve().parent.parent
@@ -57,3 +57,17 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(self.data, indent=2, default=str))
         (out / f"{name}.txt").write_text("\n".join(self.lines) + "\n")
+
+
+def out_and_device(doc: str, argv=None):
+    """The --out directory and --device (CUDA where there is one, else the CPU) of a GPU check
+    script whose description is `doc`."""
+    import argparse
+
+    import torch
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    return Path(args.out), torch.device(args.device)

@@ -16,14 +16,12 @@ Writes DIR/gpu_dropout.json and .txt; exit status 0 only when every check is bit
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from gpu_common import Report
+from gpu_common import Report, out_and_device
 
 SHAPES = [(7,), (1000,), (64, 33, 17), (4, 512, 1024)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -135,12 +133,7 @@ class Spellings(torch.nn.Module):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    out = Path(args.out)
+    out, device = out_and_device(__doc__, argv)
     rep = Report()
     log = rep.log
 
