@@ -16,6 +16,7 @@ Triton is imported lazily, on first use; everything else in `remat.attention` wo
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import os
 import types
@@ -28,7 +29,7 @@ from remat.attention.dropout_hash import dropout_keep_tl, dropout_threshold
 from remat.attention.reference import new_attention_output
 
 __all__ = ["TRITON_MAX_HEAD_DIM", "INTERPRET_BLOCKS", "GPU_CONFIGS", "GPU_FP32_CONFIG", "triton_available",
-           "bind_globals", "import_triton", "interpret_mode", "set_triton_mode", "get_triton_mode", "triton_runs_on",
+           "bind_globals", "device_context", "import_triton", "interpret_mode", "set_triton_mode", "get_triton_mode", "triton_runs_on",
            "use_triton",
            "jit_kernels", "block_d", "triton_forward", "triton_backward"]
 
@@ -214,18 +215,10 @@ def block_d(d: int) -> int:
     return max(16, import_triton().next_power_of_2(d))
 
 
-class _DeviceCtx:
-    def __init__(self, t: torch.Tensor):
-        self.ctx = torch.cuda.device(t.device) if t.device.type == "cuda" else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            return self.ctx.__exit__(*exc)
-        return False
+def device_context(t: torch.Tensor):
+    """The context a kernel on `t` launches in: its CUDA device current, nothing on the CPU
+    (the interpreter)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor], dummy: torch.Tensor) -> tuple:
@@ -252,7 +245,7 @@ def triton_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, 
                 DROPOUT=dropout)
     args = (q, k, v, out, lse, seed_t, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             H, H // HKV, SQ, SK, scale * _LOG2E, thresh, drop_scale)
-    with _DeviceCtx(q):
+    with device_context(q):
         _launch(kern["fwd"], "fwd", interpret, fp32, SQ, B * H, args, meta)
     return out, lse
 
@@ -272,7 +265,7 @@ def triton_backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float, d
     dq = torch.empty((B, H, SQ, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, HKV, SK, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, HKV, SK, D), dtype=v.dtype, device=v.device)
-    with _DeviceCtx(q):
+    with device_context(q):
         bm = INTERPRET_BLOCKS["pre"] if interpret else 64
         kern["pre"][(import_triton().cdiv(SQ, bm), B * H)](
             out, dout, delta, *out.stride(), *dout.stride(), H, SQ,

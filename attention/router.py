@@ -46,17 +46,15 @@ from remat.attention.dropout_hash import draw_seed
 from remat.attention.launch import TRITON_MAX_HEAD_DIM
 from remat.attention.op import flash_attention
 from remat.attention.pattern import ExplicitAttentionTracker, version_of
-from remat.compat.torch_private import count_grouped_query_attention
+import remat.compat.torch_private  # noqa: F401  (its grouped-query FLOP backport)
 
 __all__ = ["route_attention", "AttentionRouter", "fused_attention_mode", "autocast_fusion_reason"]
 
 
 # FLOPs of the fused op, counted as PyTorch counts SDPA (so FlopCounterMode and the cost model
 # see the same numbers as for the attention it replaces); through the module's functions, which
-# count_grouped_query_attention makes count grouped-query shapes on torch < 2.13
-count_grouped_query_attention()
-
-
+# compat.count_grouped_query_attention (applied when compat is imported) makes count grouped-query
+# shapes on torch < 2.13
 @register_flop_formula(torch.ops.remat.flash_attention)
 def _flash_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     return flop_counter.sdpa_flop_count(q_shape, k_shape, v_shape)

@@ -347,3 +347,8 @@ def count_grouped_query_attention() -> bool:
 
     fc.sdpa_flop_count, fc.sdpa_backward_flop_count = sdpa_flop_count, sdpa_backward_flop_count
     return True
+
+
+# applied once, when remat imports torch's private entry points (the cost model's FLOPs, the fused
+# attention's formulas and FlopCounterMode all read the module's functions at call time)
+count_grouped_query_attention()

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
-from remat.compat.torch_private import count_grouped_query_attention, is_input_mutation_output
+from remat.compat.torch_private import is_input_mutation_output
 from remat.graph_capture.profiling import allocation_bytes
 from remat.graph_capture.profiling import storage_bytes as _storage_bytes
 from remat.core.training_graph import Node, TrainingGraph
@@ -113,9 +113,6 @@ def split_dropout_outputs(gm: fx.GraphModule) -> int:
 
 def _is_backward(n: fx.Node) -> bool:
     return n.meta.get("partitioner_tag") == "is_backward"
-
-
-count_grouped_query_attention()  # else SDPA with enable_gqa costs 0 FLOPs on torch < 2.13
 
 
 def _flops(n: fx.Node) -> int:

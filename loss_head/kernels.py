@@ -32,12 +32,11 @@ are jitted (as `attention.kernels`); they call only Triton builtins (see there w
 from __future__ import annotations  # the `tl.constexpr` annotations stay strings until Triton reads them
 
 import builtins
-import contextlib
 import functools
 
 import torch
 
-from remat.attention.launch import bind_globals, import_triton, interpret_mode, triton_runs_on
+from remat.attention.launch import bind_globals, device_context, import_triton, interpret_mode, triton_runs_on
 
 __all__ = ["chunk_loss_terms", "chunk_loss_terms_torch", "row_terms_kernel", "softmax_grad", "softmax_grad_torch",
            "softmax_grad_kernel", "SOFTMAX_GRAD_BLOCKS", "ROW_TERMS_BLOCK"]
@@ -105,7 +104,7 @@ def chunk_loss_terms(z: torch.Tensor, safe_t: torch.Tensor, valid: torch.Tensor,
     lse = torch.empty(n, dtype=torch.float32, device=z.device)
     zt, zsum = torch.empty_like(lse), torch.empty_like(lse)
     interpret = interpret_mode()
-    with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
+    with device_context(z):
         _jitted("rows", interpret)[(n,)](z, safe_t.contiguous(), lse, zt, zsum, v, z.stride(0),
                                          BLOCK=ROW_TERMS_BLOCK["interpret" if interpret else "gpu"],
                                          **({} if interpret else {"num_warps": 8}))
@@ -174,7 +173,7 @@ def softmax_grad(z: torch.Tensor, lse: torch.Tensor, s: torch.Tensor, target: to
     br, bc = SOFTMAX_GRAD_BLOCKS["interpret" if interpret else "gpu"]
     triton = import_triton()
     grid = (triton.cdiv(n, br), triton.cdiv(c, bc))
-    with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
+    with device_context(z):
         _jitted("grad", interpret)[grid](z, lse.contiguous(), s.contiguous(), target.contiguous(), dz, n, c,
                                          z.stride(0), dz.stride(0), c0, float(smooth), float(hit_scale),
                                          SMOOTH=smooth > 0, BLOCK_R=br, BLOCK_C=bc,
