@@ -4,6 +4,7 @@
   softmax(QK^T)V chain) while a step is traced, and records what it left alone and why;
 * `pattern`: the tracker that recognises the explicit chain and proves it unchanged (version counters);
 * `op`: the `torch.ops.remat.flash_attention` custom op (forward, backward, fake kernels, autograd);
+* `cudnn`: cuDNN's attention kernels behind the op, on the GPUs where torch's SDPA runs them;
 * `launch` and `kernels`: the Triton FlashAttention-2 kernels and how they are launched (GPU, or the
   Triton interpreter on CPU); `reference`: the PyTorch path computing the same on CPU;
 * `dropout_hash`: attention dropout as a counter-based hash, so the backward regenerates the mask.

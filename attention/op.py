@@ -15,7 +15,9 @@ loops skip key (query) tiles no query (key) of the block can see.
 The op saves only ``q, k, v, out, lse`` for backward (``lse`` is the per-row log-sum-exp of the
 scaled scores, ``(B, Hq, Sq)``, fp32 -- fp64 for fp64 inputs); no ``Sq x Sk`` tensor is kept.
 
-Dispatch (`attention.launch.use_triton`): CUDA tensors run the Triton kernels (`attention.kernels`,
+Dispatch: on GPUs where torch's SDPA runs cuDNN's attention (Hopper and newer), CUDA tensors run
+cuDNN's kernels when `attention.cudnn.cudnn_runs_on` accepts them (no dropout, no gradient into lse,
+see that module); else (`attention.launch.use_triton`) CUDA tensors run the Triton kernels (`attention.kernels`,
 launched by `attention.launch`) when Triton is importable; CPU tensors run a chunked PyTorch
 reference with the same math and the same outputs/saved tensors (`attention.reference`), unless
 ``TRITON_INTERPRET=1`` is set and Triton is importable, in which case the Triton kernels run in the
@@ -42,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from remat.attention.cudnn import cudnn_backward, cudnn_forward, cudnn_runs_on
 from remat.attention.dropout_hash import draw_seed, dropout_threshold
 from remat.attention.launch import triton_backward, triton_forward, use_triton
 from remat.attention.reference import (lse_dtype, new_attention_output, reference_attention_backward,
@@ -74,6 +77,8 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None, sdpa_layout: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v, dropout_p, seed)
+    if cudnn_runs_on(q, k, v, causal, dropout_p):
+        return cudnn_forward(q, k, v, causal, scale, sdpa_layout)
     if _use_triton_for(q, k):
         return triton_forward(q, k, v, causal, scale, dropout_p, seed, sdpa_layout)
     return reference_attention_forward(q, k, v, causal, scale, dropout_p, seed, sdpa_layout)
@@ -92,6 +97,8 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                                 causal: bool, scale: float, dropout_p: float = 0.0,
                                 seed: Optional[torch.Tensor] = None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if dlse is None and lse.dtype == torch.float32 and cudnn_runs_on(q, k, v, causal, dropout_p):
+        return cudnn_backward(dout, q, k, v, out, lse, causal, scale)
     if _use_triton_for(q, k) and lse.dtype == torch.float32:
         return triton_backward(dout, q, k, v, out, lse, dlse, causal, scale, dropout_p, seed)
     return reference_attention_backward(dout, q, k, v, out, lse, dlse, causal, scale, dropout_p, seed)
@@ -106,6 +113,9 @@ def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, dropout_p, seed, _sdpa_layout = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed)
+    # An unused lse gets no gradient (None, not zeros): the backward then needs no lse term, which
+    # is what lets it run cuDNN's kernels (attention.cudnn).
+    ctx.set_materialize_grads(False)
     ctx.causal = causal
     ctx.scale = scale
     ctx.dropout_p = dropout_p

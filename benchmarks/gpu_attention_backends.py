@@ -14,7 +14,10 @@ backends inside the op keeps the graph (the same node, saving the same out and l
   3. its backward accepts the op's out and lse (computed by either kernel) and gives the op's gradients;
   4. it is faster, forward and backward, at the shapes measured.
 Per shape: those answers, max errors against a float32 reference, and the times (CUDA events,
-median of 20) of remat's Triton op, cuDNN's aten ops and SDPA as torch picks it.
+median of 20) of remat's Triton op, cuDNN's aten ops and SDPA as torch picks it; then the op itself
+as attention/cudnn.py runs it (built on these answers) against its Triton kernels, on q/k/v laid
+out as a model's, with and without a gradient into lse. On an H200 all four held
+(benchmarks/results/gpu_attention_backends_h200.txt).
 Writes DIR/gpu_attention_backends.{json,txt}.
 """
 from __future__ import annotations
@@ -117,7 +120,7 @@ def check_shape(shape, log) -> dict:
 
     def backward(key, kk, vv, out, lse):
         o = res[key]
-        dq, dk, dv = cudnn_bwd(do, q, kk, vv, out, lse, o[6], o[7], torch.empty(0, device="cuda"), o[2], o[3],
+        dq, dk, dv = cudnn_bwd(do, q, kk, vv, out, lse, o[6], o[7], None, None, None,
                                o[4], o[5], 0.0, True, scale=scale)
         if dk.shape[1] != HKV:  # expanded heads: sum each group's
             dk = dk.unflatten(1, (HKV, H // HKV)).sum(2)
@@ -148,11 +151,52 @@ def check_shape(shape, log) -> dict:
         t["sdpa_fwd_bwd_ms"] = _time(sdpa_fb)
         o = res[key]
         t["cudnn_fwd_ms"] = _time(lambda: cudnn(q, kk, vv, None, True, 0.0, True, False, scale=scale))
-        t["cudnn_bwd_ms"] = _time(lambda: cudnn_bwd(do, q, kk, vv, o[0], o[1], o[6], o[7], torch.empty(0, device="cuda"),
-                                                    o[2], o[3], o[4], o[5], 0.0, True, scale=scale))
+        t["cudnn_bwd_ms"] = _time(lambda: cudnn_bwd(do, q, kk, vv, o[0], o[1], o[6], o[7], None, None, None,
+                                                    o[4], o[5], 0.0, True, scale=scale))
         return t
 
     step("times", times)
+
+    def op_backends():
+        """The op itself, on q/k/v laid out as a model's (B, S, H, D) projections transposed, with
+        SDPA's output layout: cuDNN (the default where it runs) against Triton; a loss reading lse
+        (a gradient into lse) must take the Triton backward and still be right."""
+        from remat.attention import cudnn as cudnn_mod
+        from remat.attention.op import flash_attention_op
+
+        def model_layout(t):
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+        r = {"cudnn_runs_on": cudnn_mod.cudnn_runs_on(model_layout(q), model_layout(k), model_layout(v), True, 0.0)}
+        w = torch.randn(B, H, S, device="cuda", generator=g)
+        for name, enabled in (("cudnn", True), ("triton", False)):
+            cudnn_mod.set_cudnn_attention(enabled)
+            try:
+                for use_lse in (False, True):
+                    qq, kk2, vv2 = (model_layout(x).detach().requires_grad_() for x in (q, k, v))
+                    o, lse = flash_attention_op(qq, kk2, vv2, True, scale, 0.0, None, True)
+                    loss = (o.float() * do.float()).sum() + ((lse * w).sum() if use_lse else 0.0)
+                    loss.backward()
+                    key = f"{name}{'_lse_loss' if use_lse else ''}"
+                    r[key] = {"out_stride": list(o.stride()), "out_err": _err(o, ref), "lse_err": _err(lse, ref_lse),
+                              "dq_stride": list(qq.grad.stride()),
+                              "dk_err_vs_remat": _err(kk2.grad, kr.grad) if not use_lse else None}
+                    if not use_lse:
+                        r[key]["dq_err"] = _err(qq.grad, refs["dq"])
+                    else:
+                        r[key]["dq"] = qq.grad
+                qq, kk2, vv2 = (model_layout(x).detach().requires_grad_() for x in (q, k, v))
+
+                def fb():
+                    o, _ = flash_attention_op(qq, kk2, vv2, True, scale, 0.0, None, True)
+                    o.backward(do.transpose(1, 2).contiguous().transpose(1, 2))
+                r[f"{name}_fwd_bwd_ms"] = _time(fb)
+            finally:
+                cudnn_mod.set_cudnn_attention(True)
+        r["lse_loss_dq_cudnn_vs_triton"] = _err(r["cudnn_lse_loss"].pop("dq"), r["triton_lse_loss"].pop("dq"))
+        return r
+
+    step("op_backends", op_backends)
     return row
 
 

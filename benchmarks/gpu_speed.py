@@ -5,7 +5,7 @@ sequence 4096, under the checkpointing people use and under remat at each of tho
 peaks.
 
     python benchmarks/gpu_speed.py --out DIR [--batch 4] [--seq 4096] [--deadline-s 420] [--profile]
-                                   [--sdpa-rows] [--skip "compile,remat compiled"]
+                                   [--sdpa-rows] [--triton-rows] [--skip "compile,remat compiled"]
     python benchmarks/gpu_speed.py --out DIR --tiny        # a small model on the CPU: the script's smoke test
     python benchmarks/gpu_speed.py --render benchmarks/results/gpu_speed_h200.json   # the README's table
     bash benchmarks/gpu_session.sh gpu_speed.py ...        # on the GPU machine (wheels, the package laid out)
@@ -22,7 +22,9 @@ reported as not run):
   compile budget 0.5 / 0.3   torch.compile with torch._functorch.config.activation_memory_budget
   remat @ <peer>             remat.optimize(budget_bytes=<that peer's measured step peak>)
   remat (SDPA) @ <peer>      the same with fused_attention=False (torch's SDPA, e.g. cuDNN, instead of
-                             remat's Triton kernel), with --sdpa-rows
+                             remat's attention op), with --sdpa-rows
+  remat (Triton) @ <peer>    the same with the op's Triton kernels where it would run cuDNN's
+                             (attention.cudnn.set_cudnn_attention(False)), with --triton-rows
   remat compiled @ <peer>    the same with compiled=True (Inductor runs the plan's graphs)
 
 Per row: the step's measured peak (torch.cuda.max_memory_allocated over forward and backward, less
@@ -95,6 +97,18 @@ def torchtitan_sac_context():
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+@contextlib.contextmanager
+def triton_attention():
+    """remat's attention op on its Triton kernels where it would run cuDNN's."""
+    from remat.attention.cudnn import set_cudnn_attention
+
+    set_cudnn_attention(False)
+    try:
+        yield
+    finally:
+        set_cudnn_attention(True)
 
 
 @contextlib.contextmanager
@@ -362,6 +376,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (smoke test)")
     ap.add_argument("--sdpa-rows", action="store_true",
                     help="also remat with attention left to torch's SDPA (fused_attention=False) at the checkpoint peers")
+    ap.add_argument("--triton-rows", action="store_true",
+                    help="also remat with the attention op's Triton kernels where it would run cuDNN's")
     ap.add_argument("--profile", action="store_true", help="profile one iteration per row (CUDA kernels by time)")
     ap.add_argument("--skip", default="", help="comma-separated row names (prefixes) not to run")
     args = ap.parse_args(argv)
@@ -384,7 +400,7 @@ def main(argv=None) -> int:
     # importing remat made FlopCounterMode count Hugging Face's enable_gqa attention on torch < 2.13
     # (compat.count_grouped_query_attention)
     bench = Bench(args)
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+    env = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "transformers": transformers.__version__, "python": platform.python_version(),
            "cpu_cores": os.cpu_count(), "device": torch.cuda.get_device_name() if not args.tiny else "cpu"}
     try:
         import triton
@@ -450,9 +466,9 @@ def main(argv=None) -> int:
     for name, selective in (("checkpoint per block", False), ("selective per block (torchtitan)", True)):
         peers.append(attempt(name, lambda s=selective: (model, checkpointed(lm, s), {})))
 
-    def remat_row(peer: dict, compiled: bool, fused: bool = True):
+    def remat_row(peer: dict, compiled: bool, fused: bool = True, triton_only: bool = False):
         """remat at `peer`'s measured step peak; `fused` False: attention left to torch's SDPA
-        (fused_attention=False) instead of remat's Triton kernel."""
+        (fused_attention=False) instead of remat's op; `triton_only`: the op's Triton kernels only."""
         b = peer["step_peak_bytes"]
 
         def make():
@@ -460,12 +476,13 @@ def main(argv=None) -> int:
             opt = remat.optimize(model, budget_bytes=b, example_inputs=(bench.batches[0],), compiled=compiled,
                                  time_limit_s=SOLVE_LIMIT_S, quiet=True, fused_attention=fused)
             plan = opt.plan
-            return opt, contextlib.nullcontext(), {
+            return opt, (triton_attention() if triton_only else contextlib.nullcontext()), {
                 "budget_bytes": b, "predicted_peak_bytes": plan.predicted_peak_bytes, "optimize_s": time.perf_counter() - t0,
                 "plan_status": str(plan.status), "plan_gap": plan.gap, "plan_extra_flops": plan.extra_flops,
                 "loss_head": plan.details.get("loss_head"), "fused_attention": fused}
 
-        label = ("remat compiled" if compiled else "remat") + ("" if fused else " (SDPA)")
+        label = ("remat compiled" if compiled else "remat") + ("" if fused else " (SDPA)") + \
+            (" (Triton)" if triton_only else "")
         return attempt(f"{label} @ {peer['strategy']}", make, compiled=compiled, peer=peer["strategy"])
 
     for p in peers:
@@ -473,6 +490,8 @@ def main(argv=None) -> int:
             remat_row(p, compiled=False)
             if args.sdpa_rows:
                 remat_row(p, compiled=False, fused=False)
+            if args.triton_rows:
+                remat_row(p, compiled=False, triton_only=True)
     # each compile peer, then remat at its peak: compiled first (Inductor against Inductor), then the
     # eager runtime
     for frac in (0.5, 0.3):

@@ -129,22 +129,23 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_MM_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) works here (CUDA, torch >= 2.8); False once refused
+_MM_OUT_DTYPE = [True]  # torch.addmm(..., out_dtype=) works here (CUDA, torch >= 2.8); False once refused
 
 
-def _dh_block(dzc: torch.Tensor, wb: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """dzc @ wb with `acc` (float32) results. On CUDA with 16-bit operands: one tensor-core GEMM
-    writing float32 (torch.mm's out_dtype), the same exact products summed in float32 as the GEMM of
-    the upcast operands, which ran at float32's non-tensor-core rate instead (171 ms of a 641 ms
-    step on an H200, Llama-3.2-1B-shaped at 16k tokens: benchmarks/results/gpu_speed_h200.txt).
-    Elsewhere, or where torch refuses out_dtype, the upcast GEMM."""
-    if _MM_OUT_DTYPE[0] and dzc.is_cuda and acc == torch.float32 and dzc.dtype in (torch.bfloat16, torch.float16) \
-            and wb.dtype == dzc.dtype:
+def _add_dh_block(dh: torch.Tensor, dzc: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+    """dh + dzc @ wb, dh in float32 (`acc`). On CUDA with 16-bit operands: one tensor-core GEMM
+    that adds its float32 products to dh in its epilogue (torch.addmm's out_dtype), the same exact
+    products summed in float32 as the GEMM of the upcast operands, which ran at float32's
+    non-tensor-core rate instead (171 ms of a 641 ms step on an H200, Llama-3.2-1B-shaped at 16k
+    tokens: benchmarks/results/gpu_speed_h200.txt), and without a separate float32 add pass over dh
+    per vocabulary block. Elsewhere, or where torch refuses out_dtype, the upcast GEMM."""
+    if _MM_OUT_DTYPE[0] and dzc.is_cuda and dh.dtype == torch.float32 \
+            and dzc.dtype in (torch.bfloat16, torch.float16) and wb.dtype == dzc.dtype:
         try:
-            return torch.mm(dzc, wb, out_dtype=acc)
+            return torch.addmm(dh, dzc, wb, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
             _MM_OUT_DTYPE[0] = False
-    return dzc.to(acc) @ wb.to(acc)
+    return dh.add_(dzc.to(dh.dtype) @ wb.to(dh.dtype))
 
 
 @torch.library.custom_op("remat::chunked_linear_cross_entropy_backward", mutates_args=())
@@ -179,7 +180,7 @@ def chunked_linear_cross_entropy_backward_op(dloss: torch.Tensor, h: torch.Tenso
             dw[c0:c1] = dzc.t() @ hc
             if bias is not None:
                 db[c0:c1] = dzc.sum(0)
-            dh += _dh_block(dzc, wb, acc)
+            dh = _add_dh_block(dh, dzc, wb)
             del dzc
     return dh.to(compute_dtype).to(h.dtype), dw.to(weight.dtype), db.to(bias.dtype if bias is not None else weight.dtype)
 

@@ -411,3 +411,19 @@ def test_auto_traces_once_where_the_head_is_too_small_to_matter(monkeypatch):
         *a, chunked=chunked, **k))
     opt = remat.optimize(model, budget_bytes=int(0.8 * keep), example_inputs=args, quiet=True)
     assert opt.plan.extra_cost > 0 and heads == [False] and opt.plan.details["loss_head"] == "unchunked"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dh_accumulation_on_cuda_equals_the_upcast_gemm():
+    """The backward's dh, accumulated by a 16-bit GEMM adding float32 products in its epilogue,
+    matches the float32 GEMM of the upcast operands."""
+    from remat.loss_head.op import _add_dh_block
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dh = torch.randn(300, 64, device="cuda", generator=g)
+    dzc = torch.randn(300, 256, device="cuda", generator=g).to(torch.bfloat16)
+    wb = torch.randn(256, 64, device="cuda", generator=g).to(torch.bfloat16)
+    want = dh + dzc.float() @ wb.float()
+    got = _add_dh_block(dh.clone(), dzc, wb)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
