@@ -5,9 +5,11 @@ took 32.6 ms for the 16 calls of a Llama-3.2-1B-shaped step where remat's Triton
 (`benchmarks/results/gpu_speed_h200_run4_profile.txt`). The op keeps its graph node, its outputs
 and what it saves (q, k, v, out, lse): only the kernels that compute them change, so plans, the
 memory model and recomputation are the same with either backend. What makes that sound, checked on
-an H200 by `benchmarks/gpu_attention_backends.py`: cuDNN's log-sum-exp is the op's lse (natural
-log of the scaled scores' row sums, float32), its forward and backward take grouped-query k/v as
-they are, and its backward accepts an out and lse computed by either kernel.
+an H200 by `benchmarks/gpu_attention_backends.py` (`benchmarks/results/gpu_attention_backends_h200*`):
+cuDNN's log-sum-exp is the op's lse (natural log of the scaled scores' row sums, float32; within
+1.9e-6 of the Triton kernel's), its forward and backward take grouped-query k/v as they are, and its
+backward takes the op's saved out and lse; with a gradient into lse the Triton backward runs on
+cuDNN's saved out and lse (its dq within bf16's rounding of the all-Triton op's).
 
 cuDNN runs when all of these hold, else the Triton kernels do: CUDA, fp16/bf16, no dropout (the
 op's dropout is its own hashed mask, which cuDNN cannot regenerate), no gradient flowing into lse
@@ -26,7 +28,7 @@ import functools
 import torch
 
 from remat.attention.launch import get_triton_mode
-from remat.attention.reference import new_attention_output
+from remat.attention.reference import in_layout, new_attention_output
 
 __all__ = ["set_cudnn_attention", "cudnn_attention_enabled", "cudnn_runs_on", "cudnn_forward",
            "cudnn_backward"]
@@ -69,36 +71,23 @@ def cudnn_runs_on(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return bool(torch.backends.cuda.can_use_cudnn_attention(params))
 
 
-def _same_layout(t: torch.Tensor, like_strides: tuple[int, ...]) -> bool:
-    return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), like_strides))
-
-
-def _in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`t`, or a copy of it laid out as `like` (a tensor of the same shape) where the strides differ:
-    the op's fake kernels promise those layouts, and compiled graphs rely on them. `like` may be a
-    meta tensor: nothing is allocated unless a copy is needed."""
-    if _same_layout(t, like.stride()):
-        return t
-    return torch.empty_strided(like.shape, like.stride(), dtype=t.dtype, device=t.device).copy_(t)
-
-
 def cudnn_forward(q, k, v, causal: bool, scale: float, sdpa_layout: bool = False):
     """``(out, lse)`` as the op returns them, from cuDNN's forward."""
     B, H, SQ, _ = q.shape
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, bool(causal), False,
                                                              scale=float(scale))
     out, lse = res[0], res[1]  # lse is (B, H, Sq, 1) float32
-    return _in_layout(out, new_attention_output(q.to("meta"), sdpa_layout)), lse.reshape(B, H, SQ)
+    return in_layout(out, new_attention_output(q.to("meta"), sdpa_layout)), lse.reshape(B, H, SQ)
 
 
 def cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """``(dq, dk, dv)`` from cuDNN's backward, given the op's saved out and lse (either kernel's)."""
     SQ, SK = q.shape[2], k.shape[2]
-    dout = _in_layout(dout, out.to("meta"))  # cuDNN reads dO in out's layout
+    dout = in_layout(dout, out.to("meta"))  # cuDNN reads dO in out's layout
     # No dropout: cuDNN's graph has no dropout node and does not read the philox seed/offset.
     philox = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse.reshape(*lse.shape, 1), philox, philox, None, None, None, SQ, SK, 0.0,
         bool(causal), scale=float(scale))
     # contiguous, as the op's fake backward (and the Triton kernels) return them
-    return tuple(_in_layout(g, torch.empty(g.shape, device="meta")) for g in (dq, dk, dv))
+    return tuple(in_layout(g, torch.empty(g.shape, device="meta")) for g in (dq, dk, dv))

@@ -17,7 +17,8 @@ scaled scores, ``(B, Hq, Sq)``, fp32 -- fp64 for fp64 inputs); no ``Sq x Sk`` te
 
 Dispatch: on GPUs where torch's SDPA runs cuDNN's attention (Hopper and newer), CUDA tensors run
 cuDNN's kernels when `attention.cudnn.cudnn_runs_on` accepts them (no dropout, no gradient into lse,
-see that module); else (`attention.launch.use_triton`) CUDA tensors run the Triton kernels (`attention.kernels`,
+see that module); CPU tensors run torch's CPU flash kernel under the same conditions
+(`attention.cpu_flash`); else (`attention.launch.use_triton`) CUDA tensors run the Triton kernels (`attention.kernels`,
 launched by `attention.launch`) when Triton is importable; CPU tensors run a chunked PyTorch
 reference with the same math and the same outputs/saved tensors (`attention.reference`), unless
 ``TRITON_INTERPRET=1`` is set and Triton is importable, in which case the Triton kernels run in the
@@ -44,6 +45,7 @@ from typing import Optional
 
 import torch
 
+from remat.attention.cpu_flash import cpu_flash_backward, cpu_flash_forward, cpu_flash_runs_on
 from remat.attention.cudnn import cudnn_backward, cudnn_forward, cudnn_runs_on
 from remat.attention.dropout_hash import draw_seed, dropout_threshold
 from remat.attention.launch import triton_backward, triton_forward, use_triton
@@ -81,6 +83,8 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         return cudnn_forward(q, k, v, causal, scale, sdpa_layout)
     if _use_triton_for(q, k):
         return triton_forward(q, k, v, causal, scale, dropout_p, seed, sdpa_layout)
+    if cpu_flash_runs_on(q, k, causal, dropout_p):
+        return cpu_flash_forward(q, k, v, causal, scale, sdpa_layout)
     return reference_attention_forward(q, k, v, causal, scale, dropout_p, seed, sdpa_layout)
 
 
@@ -101,6 +105,8 @@ def flash_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
         return cudnn_backward(dout, q, k, v, out, lse, causal, scale)
     if _use_triton_for(q, k) and lse.dtype == torch.float32:
         return triton_backward(dout, q, k, v, out, lse, dlse, causal, scale, dropout_p, seed)
+    if dlse is None and cpu_flash_runs_on(q, k, causal, dropout_p):
+        return cpu_flash_backward(dout, q, k, v, out, lse, causal, scale)
     return reference_attention_backward(dout, q, k, v, out, lse, dlse, causal, scale, dropout_p, seed)
 
 

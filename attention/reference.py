@@ -12,7 +12,8 @@ import torch
 
 from remat.attention.dropout_hash import dropout_keep_mask
 
-__all__ = ["reference_attention_forward", "reference_attention_backward", "lse_dtype", "new_attention_output"]
+__all__ = ["reference_attention_forward", "reference_attention_backward", "lse_dtype", "new_attention_output",
+           "in_layout"]
 
 _REF_CHUNK = None  # query rows per chunk (None: adaptive, see _chunk_rows)
 
@@ -62,6 +63,19 @@ def new_attention_output(q: torch.Tensor, sdpa_layout: bool) -> torch.Tensor:
     if sdpa_layout:
         return torch.empty((B, SQ, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     return torch.empty((B, H, SQ, D), dtype=q.dtype, device=q.device)
+
+
+def _same_layout(t: torch.Tensor, like_strides: tuple[int, ...]) -> bool:
+    return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), like_strides))
+
+
+def in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it laid out as `like` (a tensor of the same shape) where the strides differ:
+    the op's fake kernels promise those layouts, and compiled graphs rely on them. `like` may be a
+    meta tensor: nothing is allocated unless a copy is needed."""
+    if _same_layout(t, like.stride()):
+        return t
+    return torch.empty_strided(like.shape, like.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def reference_attention_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed=None,

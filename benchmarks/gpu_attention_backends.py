@@ -17,7 +17,9 @@ Per shape: those answers, max errors against a float32 reference, and the times 
 median of 20) of remat's Triton op, cuDNN's aten ops and SDPA as torch picks it; then the op itself
 as attention/cudnn.py runs it (built on these answers) against its Triton kernels, on q/k/v laid
 out as a model's, with and without a gradient into lse. On an H200 all four held
-(benchmarks/results/gpu_attention_backends_h200.txt).
+(benchmarks/results/gpu_attention_backends_h200_run1_failed.txt: the op on Triton's kernels, the
+backward steps failing on this script's own call; gpu_attention_backends_h200.txt: the call fixed,
+the op by then on cuDNN's kernels, so its "remat" columns are cuDNN's there).
 Writes DIR/gpu_attention_backends.{json,txt}.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Which kernels the attention op runs (attention.cudnn: cuDNN's where torch's SDPA runs them, else
-Triton's or the PyTorch reference), and the gradients of both of its outputs: the op gives an unused
+"""Which kernels the attention op runs (attention.cudnn: cuDNN's where torch's SDPA runs them;
+attention.cpu_flash: torch's CPU flash kernel on the CPU; else Triton's or the PyTorch reference), and the gradients of both of its outputs: the op gives an unused
 lse no gradient (None, not zeros), which is what lets its backward run cuDNN's kernels, so every
 mix of losses on out and lse is checked against float64 autograd on the reference path, and, on a
 CUDA machine, cuDNN's kernels against Triton's."""
@@ -8,6 +8,7 @@ import torch
 
 import remat.attention.op as op
 from remat.attention import cudnn, launch
+from remat.attention.reference import in_layout
 
 
 def _ref(q, k, v, causal, scale):
@@ -59,6 +60,7 @@ def test_unused_lse_gets_no_gradient(monkeypatch):
         return real(dout, q, k, v, out, lse, dlse, *rest)
 
     monkeypatch.setattr(op, "reference_attention_backward", spy)
+    monkeypatch.setattr(launch, "_mode", ["never"])  # the reference path, which takes both
     q, k, v, w_out, w_lse = _inputs()
     q.requires_grad_()
     out, lse = op.flash_attention_with_lse(q, k, v, causal=True)
@@ -82,11 +84,11 @@ def test_cudnn_dispatch_off_cuda_and_setting():
 
 def test_layout_copy_only_where_strides_differ():
     t = torch.randn(2, 3, 4, 5).transpose(1, 2)
-    assert cudnn._in_layout(t, t.to("meta")) is t
+    assert in_layout(t, t.to("meta")) is t
     # a size-1 dimension's stride does not make a layout differ
     u = torch.randn(1, 3, 4)
-    assert cudnn._in_layout(u, torch.empty_strided((1, 3, 4), (7, 4, 1), device="meta")) is u
-    c = cudnn._in_layout(t, torch.empty(t.shape, device="meta"))
+    assert in_layout(u, torch.empty_strided((1, 3, 4), (7, 4, 1), device="meta")) is u
+    c = in_layout(t, torch.empty(t.shape, device="meta"))
     assert c.is_contiguous() and torch.equal(c, t)
 
 
@@ -123,3 +125,60 @@ def test_cudnn_against_triton_on_cuda(loss_on):
     for a, b in zip(results[True], results[False]):
         assert a.shape == b.shape and a.stride() == b.stride()
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def _model_layout(t):
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_on", ["out", "both"])
+def test_cpu_flash_kernel_against_the_reference(dtype, loss_on, monkeypatch):
+    """On the CPU in the default mode the op runs torch's CPU flash kernel (attention.cpu_flash):
+    the same outputs, layouts and gradients as the PyTorch reference (mode "never"), grouped-query
+    k/v and q laid out as a model's; with a gradient into lse the backward is the reference's."""
+    from remat.attention import cpu_flash
+
+    calls = {"forward": 0, "backward": 0}
+    for name in ("forward", "backward"):
+        real = getattr(cpu_flash, f"cpu_flash_{name}")
+
+        def counted(*a, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*a)
+        monkeypatch.setattr(op, f"cpu_flash_{name}", counted)
+    results = {}
+    for mode in ("auto", "never"):
+        prev = launch.get_triton_mode()
+        launch.set_triton_mode(mode)
+        try:
+            g = torch.Generator().manual_seed(1)
+            q = _model_layout(torch.randn(2, 4, 9, 8, generator=g)).to(dtype).requires_grad_()
+            k, v = (_model_layout(torch.randn(2, 2, 9, 8, generator=g)).to(dtype).requires_grad_() for _ in range(2))
+            out, lse = torch.ops.remat.flash_attention(q, k, v, True, 0.3, 0.0, None, True)
+            w = torch.randn(out.shape, generator=g)
+            loss = (out.float() * w).sum() + ((lse.float() * w[..., 0]).sum() if loss_on == "both" else 0.0)
+            results[mode] = (out, lse, *torch.autograd.grad(loss, (q, k, v)))
+        finally:
+            launch.set_triton_mode(prev)
+    assert calls == {"forward": 1, "backward": 1 if loss_on == "out" else 0}
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for a, b in zip(results["auto"], results["never"]):
+        assert a.dtype == b.dtype and a.stride() == b.stride()
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+def test_cpu_flash_kernel_not_where_it_cannot_take_the_op():
+    from remat.attention.cpu_flash import cpu_flash_runs_on
+
+    q, k = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 4, 4)
+    assert cpu_flash_runs_on(q, q, True, 0.0)
+    assert not cpu_flash_runs_on(q, k, True, 0.0)  # causal, Sq != Sk: the op's mask is bottom-right
+    assert cpu_flash_runs_on(q, k, False, 0.0)
+    assert not cpu_flash_runs_on(q, q, True, 0.1)  # the op's own dropout mask
+    prev = launch.get_triton_mode()
+    launch.set_triton_mode("never")
+    try:
+        assert not cpu_flash_runs_on(q, q, True, 0.0)
+    finally:
+        launch.set_triton_mode(prev)

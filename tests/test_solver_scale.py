@@ -252,8 +252,9 @@ def test_highs_root_node_raises_the_bound_a_stalled_search_leaves(monkeypatch):
 def test_no_branching_where_the_root_lp_is_far_under_a_bound_proved_otherwise(monkeypatch):
     """Given a bound (the peak rows') more than ROOT_UNDER_OTHER_BOUND over the root LP's value,
     the certified search of a relaxation over MIP_MAX_VARIABLES reads the root's plans and stops
-    without branching: its plan fits, its bound is the root LP's. A bound the root is not far
-    under, or a relaxation under MIP_MAX_VARIABLES, changes nothing."""
+    without branching: its plan fits, its bound is the root LP's. On a relaxation under
+    MIP_MAX_VARIABLES it branches; a bound at the plan's cost proves the plan there (the gap the
+    search stops at counts the bound proved otherwise)."""
     from remat.solver.checkmate import certified_search
 
     g = transformer_like(2, 1)
@@ -261,8 +262,10 @@ def test_no_branching_where_the_root_lp_is_far_under_a_bound_proved_otherwise(mo
     free = certified_search.certified_search(g, budget)
     assert free.details["certify"]["lps"] > 1  # it branches without one
     root = free.details["certify"]["root_bound"]
-    small = certified_search.certified_search(g, budget, other_bound=root * 1.5 + 1.0)
-    assert small.details["certify"]["lps"] == free.details["certify"]["lps"] and small.bound == free.bound
+    proved = certified_search.certified_search(g, budget, other_bound=free.extra_cost)
+    assert proved.details["certify"]["stopped_by"] == "gap"
+    assert proved.details["certify"]["lps"] < free.details["certify"]["lps"]
+    assert proved.extra_cost - free.extra_cost <= 1e-4 * proved.extra_cost
     monkeypatch.setattr(certified_search, "MIP_MAX_VARIABLES", 0)  # as if the relaxation were large
     far = certified_search.certified_search(g, budget, other_bound=root * 1.5 + 1.0)
     assert far.details["certify"]["stopped_by"] == "under the floor" and far.details["certify"]["lps"] == 1
@@ -319,3 +322,25 @@ def test_no_plan_below_the_peak_floor(g):
     below = checkmate.solve(g, floor - 1)
     assert below.status == "infeasible" and below.details["reason"] == "proven infeasible"
     assert checkmate.solve(g, m).fits
+
+
+def test_good_gap_stops_the_branching_once_no_better_plan_comes():
+    """With `good_gap`, the branch and bound stops once its gap is within it and `patience` LPs have
+    passed without a better plan; without, it goes on (solver/checkmate/certified_search.py
+    GOOD_GAP)."""
+    from remat.solver.checkmate.branch_and_bound import certify
+    from remat.solver.checkmate.certified_search import certified_search
+    from remat.solver.checkmate.relaxation import Relaxation
+
+    g = transformer_like(2, 1)
+    budget = (simulate(g, keep_all_schedule(g)).peak_bytes + equal_spacing.solve(g, 0).predicted_peak_bytes) // 2
+    plan = certified_search(g, budget)
+    rel = Relaxation(g, budget)
+    incumbent = plan.extra_cost / rel.cost_scale
+    full = certify(rel, incumbent=incumbent, max_lps=40)
+    assert full.lps > 3 and full.stopped_by != "good gap"
+    gap = (incumbent - full.bound) / incumbent
+    good = certify(rel, incumbent=incumbent, max_lps=40, good_gap=1.0, patience=2)
+    assert good.stopped_by == "good gap" and good.lps == 3
+    tight = certify(rel, incumbent=incumbent, max_lps=40, good_gap=gap / 10, patience=2)
+    assert tight.lps == full.lps and tight.stopped_by == full.stopped_by

@@ -80,7 +80,8 @@ def classes(rel: Relaxation) -> list[list[int]]:
 def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float = 1e-4,
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
             time_limit_s: float | None = None, on_solution=None, on_lp=None,
-            root_iterations: int | None = None, on_simplex=None, floor: float | None = None) -> Certificate:
+            root_iterations: int | None = None, on_simplex=None, floor: float | None = None,
+            known_bound: float = -math.inf, good_gap: float = 0.0, patience: int = 0) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's, never
@@ -89,7 +90,10 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     LP limit"). on_lp(lps, bound, incumbent, work), if given, is called after each branching
     (work: the share of the simplex iteration limit spent, None without one), on_simplex(iterations)
     every SIMPLEX_REPORT iterations of an LP (progress). floor: where the root LP's value is under
-    this (model units), no branching (stopped_by "under the floor")."""
+    this (model units), no branching (stopped_by "under the floor"). known_bound: a bound proved
+    otherwise (model units): the gap the search stops at is the incumbent's over the larger of its
+    own bound and this one. good_gap: it also stops (stopped_by "good gap") once that gap is within
+    good_gap and `patience` LPs have passed since the incumbent last improved."""
     import highspy
 
     t0 = time.perf_counter()
@@ -156,14 +160,20 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     heap = [(root, 0, ({}, {}), x)]
     count, lps, stopped = 1, 1, "proved"
     last_rise = [root, 1]  # the best bound so far and the LP count when it last rose
+    last_better = 1  # the LP count when the incumbent last improved
     log = []
     while heap:
         value, _, node, x = heap[0]
         if value >= incumbent * (1 - 1e-9):
             heap = []
             break
-        if incumbent < math.inf and incumbent - value <= target_gap * max(incumbent, 1e-12):
+        proved = max(value, known_bound)  # what the search and the bound proved otherwise prove together
+        if incumbent < math.inf and incumbent - proved <= target_gap * max(incumbent, 1e-12):
             stopped = "gap"
+            break
+        if (good_gap > 0 and incumbent < math.inf and incumbent - proved <= good_gap * max(incumbent, 1e-12)
+                and lps - last_better >= patience):
+            stopped = "good gap"
             break
         if max_iterations is not None and iters >= max_iterations or max_lps is not None and lps >= max_lps:
             stopped = "work limit"
@@ -187,7 +197,9 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             if v is None:
                 continue
             if on_solution is not None and v < incumbent:
-                incumbent = min(incumbent, on_solution(xc, v))
+                found = on_solution(xc, v)
+                if found < incumbent:
+                    incumbent, last_better = found, lps
             if v < incumbent * (1 - 1e-9):
                 count += 1
                 heapq.heappush(heap, (v, count, child, xc))
