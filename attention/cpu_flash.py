@@ -1,16 +1,19 @@
 """torch's CPU flash-attention kernel behind remat's attention op, on CPU tensors.
 
 The op's PyTorch reference (`attention.reference`) computes attention on the CPU by chunks of
-query rows with PyTorch ops: 6-20 times slower than torch's fused CPU kernel
-(`aten._scaled_dot_product_flash_attention_for_cpu`, what `F.scaled_dot_product_attention` runs on
-the CPU) at the shapes of remat's tests and benchmarks. That kernel returns the op's two outputs
-(the attention and the per-row log-sum-exp of the scaled scores, float32, float64 for float64
-inputs), takes grouped-query k/v as they are, and its backward takes the op's saved out and lse:
-the op keeps its graph node and what it saves, only the kernels change (as with cuDNN's on the GPU,
+query rows with PyTorch ops, in float32 or float64: 3-5 times slower, forward and backward, than
+torch's fused CPU kernel (`aten._scaled_dot_product_flash_attention_for_cpu`, what
+`F.scaled_dot_product_attention` runs on the CPU) in float32 at the shapes of
+`benchmarks/cpu_attention.py` (`benchmarks/results/cpu_attention.txt`, this project's 2-core CI
+machine), but in bfloat16 the kernel (that file's SDPA column) was slower than the
+reference there (1.4-1.6 times; a CPU without bf16 units), so the kernel runs for float32 and float64 only. It returns the op's two outputs (the
+attention and the per-row log-sum-exp of the scaled scores, in the op's lse dtype), takes
+grouped-query k/v as they are, and its backward takes the op's saved out and lse: the op keeps its
+graph node and what it saves, only the kernels change (as with cuDNN's on the GPU,
 `attention.cudnn`). Its scratch memory is measured with the step's other ops' (graph_capture's
 workspace probe), as the reference's was.
 
-It runs when all of these hold, else the reference does: a CPU tensor of a floating dtype, the
+It runs when all of these hold, else the reference does: a float32 or float64 CPU tensor, the
 default Triton mode "auto" (`attention.launch.set_triton_mode`: "never" asks for the reference,
 "interpret" and "always" for the Triton kernels), no dropout (the op's dropout is its own hashed
 mask), no gradient flowing into lse (the reference's backward takes it), causal only for Sq == Sk
@@ -25,7 +28,7 @@ from remat.attention.reference import in_layout, lse_dtype, new_attention_output
 
 __all__ = ["cpu_flash_runs_on", "cpu_flash_forward", "cpu_flash_backward"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = (torch.float32, torch.float64)
 
 
 def cpu_flash_runs_on(q: torch.Tensor, k: torch.Tensor, causal: bool, dropout_p: float) -> bool:

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""remat's attention op on the CPU: torch's CPU flash kernel (attention/cpu_flash.py, the default)
-against the op's chunked PyTorch reference (what the op ran on the CPU before) and the model's own
-`F.scaled_dot_product_attention`, forward and backward, causal, at a few shapes; and the outputs'
-and gradients' largest difference between the two kernels.
+"""remat's attention op on the CPU as it runs by default (attention/cpu_flash.py: torch's CPU flash
+kernel in float32 and float64, the op's chunked PyTorch reference in 16-bit dtypes) against the
+reference (what the op ran on the CPU before; Triton mode "never") and the model's own
+`F.scaled_dot_product_attention` (torch's CPU flash kernel itself, at these inputs), forward and
+backward, causal, at a few shapes; and the outputs' and gradients' largest difference between the
+default and the reference.
 
     python benchmarks/cpu_attention.py [--reps 5] [--threads N]
 
@@ -49,8 +51,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'B':>2} {'Hq':>3} {'Hkv':>3} {'S':>5} {'D':>3} {'dtype':>9} | {'cpu flash':>9} {'reference':>9} "
-          f"{'SDPA':>7} ms | ref/flash flash/SDPA | max diff out, dq")
+    print(f"{'B':>2} {'Hq':>3} {'Hkv':>3} {'S':>5} {'D':>3} {'dtype':>9} | {'op':>9} {'reference':>9} "
+          f"{'SDPA':>7} ms | ref/op op/SDPA | max diff out, dq")
     g = torch.Generator().manual_seed(0)
     for B, H, HKV, S, D, dtype in SHAPES:
         q = torch.randn(B, H, S, D, generator=g).to(dtype).requires_grad_()
@@ -61,9 +63,10 @@ def main(argv=None) -> int:
             q.grad = k.grad = v.grad = None
             out = flash_attention(q, k, v, causal=True)
             out.backward(do)
-            return out.detach(), q.grad
+            return out.detach(), q.grad.clone()  # a copy: the next calls replace q.grad
 
         def sdpa():
+            q.grad = k.grad = v.grad = None
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != HKV).backward(do)
 
         prev = launch.get_triton_mode()
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
         d_out = float((out_f.float() - out_r.float()).abs().max())
         d_dq = float((dq_f.float() - dq_r.float()).abs().max())
         print(f"{B:>2} {H:>3} {HKV:>3} {S:>5} {D:>3} {str(dtype)[6:]:>9} | {flash_ms:9.1f} {ref_ms:9.1f} {sdpa_ms:7.1f}    | "
-              f"{ref_ms / flash_ms:9.2f} {flash_ms / sdpa_ms:10.2f} | {d_out:.1e}, {d_dq:.1e}")
+              f"{ref_ms / flash_ms:6.2f} {flash_ms / sdpa_ms:7.2f} | {d_out:.1e}, {d_dq:.1e}")
     return 0
 
 

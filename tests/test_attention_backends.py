@@ -131,7 +131,7 @@ def _model_layout(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("loss_on", ["out", "both"])
 def test_cpu_flash_kernel_against_the_reference(dtype, loss_on, monkeypatch):
     """On the CPU in the default mode the op runs torch's CPU flash kernel (attention.cpu_flash):
@@ -162,7 +162,7 @@ def test_cpu_flash_kernel_against_the_reference(dtype, loss_on, monkeypatch):
         finally:
             launch.set_triton_mode(prev)
     assert calls == {"forward": 1, "backward": 1 if loss_on == "out" else 0}
-    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}[dtype]
     for a, b in zip(results["auto"], results["never"]):
         assert a.dtype == b.dtype and a.stride() == b.stride()
         torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
@@ -176,6 +176,7 @@ def test_cpu_flash_kernel_not_where_it_cannot_take_the_op():
     assert not cpu_flash_runs_on(q, k, True, 0.0)  # causal, Sq != Sk: the op's mask is bottom-right
     assert cpu_flash_runs_on(q, k, False, 0.0)
     assert not cpu_flash_runs_on(q, q, True, 0.1)  # the op's own dropout mask
+    assert not cpu_flash_runs_on(q.bfloat16(), q.bfloat16(), True, 0.0)  # slower than the reference here
     prev = launch.get_triton_mode()
     launch.set_triton_mode("never")
     try:

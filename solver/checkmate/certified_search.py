@@ -57,10 +57,10 @@ ROOT_EXCHANGE_GAP = 0.05
 # better plan: proving the last percent took most of the search's time and seldom changed the plan.
 # Only on relaxations over MIP_MAX_VARIABLES: smaller ones are proved optimal (mip_gap), by
 # branching or by HiGHS's MILP (the brute-force chains of tests/test_checkmate.py).
-# At half the activation memory of the 59 graphs of benchmarks/certificates.py it stops 22 early
-# (their gaps 0.0-0.99%, were 0.03-0.99%): 687 -> 595 s in all (two solves at a time on 2 cores;
-# MobileViT 32.9 -> 10.5 s, SegFormer 19.3 -> 5.2, Qwen3 20.9 -> 13.1), the same plans but two (CvT
-# 2.5191% -> 2.5207% extra, OPT 10.1176% -> 10.1168%)
+# At half the activation memory of the 59 graphs of benchmarks/certificates.py it stops 18 early
+# (gaps 0.03-1.0%, were 0.03-0.99%): on the 23 models it touches or might, 330 -> 232 s in all
+# (two solves at a time on 2 cores; MobileViT 34.9 -> 9.6 s, CvT 23.4 -> 15.2, SegFormer 20.4 ->
+# 8.1, Gemma 13.5 -> 6.3), the same plans but CvT's (2.5191% -> 2.5207% extra)
 GOOD_GAP = 0.01
 GOOD_GAP_PATIENCE = 4
 
