@@ -17,7 +17,7 @@ scaled scores, ``(B, Hq, Sq)``, fp32 -- fp64 for fp64 inputs); no ``Sq x Sk`` te
 
 Dispatch: on GPUs where torch's SDPA runs cuDNN's attention (Hopper and newer), CUDA tensors run
 cuDNN's kernels when `attention.cudnn.cudnn_runs_on` accepts them (no dropout, no gradient into lse,
-see that module); CPU tensors run torch's CPU flash kernel under the same conditions
+see that module); float32 and float64 CPU tensors run torch's CPU flash kernel under the same conditions
 (`attention.cpu_flash`); else (`attention.launch.use_triton`) CUDA tensors run the Triton kernels (`attention.kernels`,
 launched by `attention.launch`) when Triton is importable; CPU tensors run a chunked PyTorch
 reference with the same math and the same outputs/saved tensors (`attention.reference`), unless
