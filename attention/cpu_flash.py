@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from remat.attention.launch import get_triton_mode
+from remat.attention.launch import torch_kernels_may_take
 from remat.attention.reference import in_layout, lse_dtype, new_attention_output
 
 __all__ = ["cpu_flash_runs_on", "cpu_flash_forward", "cpu_flash_backward"]
@@ -34,18 +34,16 @@ _DTYPES = (torch.float32, torch.float64)
 def cpu_flash_runs_on(q: torch.Tensor, k: torch.Tensor, causal: bool, dropout_p: float) -> bool:
     """Whether the op on these inputs runs torch's CPU kernel (see the module's docstring; the
     backward also needs no gradient into lse)."""
-    return (q.device.type == "cpu" and q.dtype in _DTYPES and get_triton_mode() == "auto" and dropout_p == 0.0
-            and (not causal or q.shape[2] == k.shape[2]) and q.numel() > 0 and k.shape[2] > 0)
+    return q.device.type == "cpu" and q.dtype in _DTYPES and torch_kernels_may_take(q, k, causal, dropout_p)
 
 
 def cpu_flash_forward(q, k, v, causal: bool, scale: float, sdpa_layout: bool = False):
     """``(out, lse)`` as the op returns them, from torch's CPU kernel."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, bool(causal),
                                                                          scale=float(scale))
-    meta = q.to("meta")
     # the kernel lays out out and lse as q is laid out; the op's fake kernel promises its own layouts
-    return (in_layout(out, new_attention_output(meta, sdpa_layout)),
-            in_layout(lse.to(lse_dtype(q.dtype)), torch.empty(lse.shape, device="meta")))
+    return (in_layout(out, new_attention_output(q.to("meta"), sdpa_layout)),
+            lse.to(lse_dtype(q.dtype)).contiguous())
 
 
 def cpu_flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -53,4 +51,4 @@ def cpu_flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, bool(causal), scale=float(scale))
     # contiguous, as the op's fake backward returns them
-    return tuple(in_layout(g, torch.empty(g.shape, device="meta")) for g in (dq, dk, dv))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from remat.attention.launch import get_triton_mode
+from remat.attention.launch import torch_kernels_may_take
 from remat.attention.reference import in_layout, new_attention_output
 
 __all__ = ["set_cudnn_attention", "cudnn_attention_enabled", "cudnn_runs_on", "cudnn_forward",
@@ -56,11 +56,8 @@ def _capability(index: int) -> tuple[int, int]:
 def cudnn_runs_on(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float) -> bool:
     """Whether the op's forward on these inputs runs cuDNN's kernels (see the module's docstring;
     the backward also needs no gradient into lse)."""
-    if not (_enabled[0] and get_triton_mode() == "auto" and q.is_cuda and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16)):
-        return False
-    if causal and q.shape[2] != k.shape[2]:
-        return False
-    if q.numel() == 0 or k.shape[2] == 0:
+    if not (_enabled[0] and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and torch_kernels_may_take(q, k, causal, dropout_p)):
         return False
     if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
             < CUDNN_MIN_CAPABILITY:
@@ -90,4 +87,4 @@ def cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         dout, q, k, v, out, lse.reshape(*lse.shape, 1), philox, philox, None, None, None, SQ, SK, 0.0,
         bool(causal), scale=float(scale))
     # contiguous, as the op's fake backward (and the Triton kernels) return them
-    return tuple(in_layout(g, torch.empty(g.shape, device="meta")) for g in (dq, dk, dv))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()

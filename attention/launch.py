@@ -30,7 +30,7 @@ from remat.attention.reference import new_attention_output
 
 __all__ = ["TRITON_MAX_HEAD_DIM", "INTERPRET_BLOCKS", "GPU_CONFIGS", "GPU_FP32_CONFIG", "triton_available",
            "bind_globals", "device_context", "import_triton", "interpret_mode", "set_triton_mode", "get_triton_mode", "triton_runs_on",
-           "use_triton",
+           "torch_kernels_may_take", "use_triton",
            "jit_kernels", "block_d", "triton_forward", "triton_backward"]
 
 # Largest head dim the Triton kernels take; bigger ones use the reference path.
@@ -85,6 +85,16 @@ def triton_runs_on(device: torch.device) -> bool:
             and ((device.type == "cuda" and not interpret_mode())
                  or (device.type == "cpu" and mode == "interpret" and interpret_mode()))
             and triton_available())
+
+
+def torch_kernels_may_take(q: torch.Tensor, k: torch.Tensor, causal: bool, dropout_p: float) -> bool:
+    """What every one of torch's own fused kernels behind the op (cuDNN's, attention.cudnn; the CPU
+    flash kernel, attention.cpu_flash) needs beyond its device and dtype: the default mode "auto"
+    ("never" asks for the reference, "interpret" and "always" for the Triton kernels), no dropout
+    (the op's is its own hashed mask), causal only with Sq == Sk (torch's kernels align the causal
+    mask top-left, the op bottom-right), a non-empty problem."""
+    return (get_triton_mode() == "auto" and dropout_p == 0.0 and (not causal or q.shape[2] == k.shape[2])
+            and q.numel() > 0 and k.shape[2] > 0)
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -133,7 +133,7 @@ _MM_OUT_DTYPE = [True]  # torch.addmm(..., out_dtype=) works here (CUDA, torch >
 
 
 def _add_dh_block(dh: torch.Tensor, dzc: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
-    """dh + dzc @ wb, dh in float32 (`acc`). On CUDA with 16-bit operands: one tensor-core GEMM
+    """dh + dzc @ wb, dh in its float32 (or float64) accumulation dtype. On CUDA with 16-bit operands: one tensor-core GEMM
     that adds its float32 products to dh in its epilogue (torch.addmm's out_dtype), the same exact
     products summed in float32 as the GEMM of the upcast operands, which ran at float32's
     non-tensor-core rate instead (171 ms of a 641 ms step on an H200, Llama-3.2-1B-shaped at 16k

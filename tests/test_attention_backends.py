@@ -60,12 +60,16 @@ def test_unused_lse_gets_no_gradient(monkeypatch):
         return real(dout, q, k, v, out, lse, dlse, *rest)
 
     monkeypatch.setattr(op, "reference_attention_backward", spy)
-    monkeypatch.setattr(launch, "_mode", ["never"])  # the reference path, which takes both
     q, k, v, w_out, w_lse = _inputs()
     q.requires_grad_()
-    out, lse = op.flash_attention_with_lse(q, k, v, causal=True)
-    (out * w_out).sum().backward(retain_graph=True)
-    (lse * w_lse).sum().backward()
+    prev = launch.get_triton_mode()
+    launch.set_triton_mode("never")  # the reference path, which takes both
+    try:
+        out, lse = op.flash_attention_with_lse(q, k, v, causal=True)
+        (out * w_out).sum().backward(retain_graph=True)
+        (lse * w_lse).sum().backward()
+    finally:
+        launch.set_triton_mode(prev)
     assert seen[0] is None
     assert isinstance(seen[1], torch.Tensor) and torch.equal(seen[1], w_lse)
 
