@@ -180,6 +180,37 @@ def test_the_rows_a_plan_misses_added_prove_what_the_rows_together_could_not(n, 
     assert optimum * (1 - 1e-4) <= more.bound <= optimum + 1e-9
     if more.schedule is not None:
         assert simulate(g, more.schedule).peak_bytes <= budget and more.extra_cost >= optimum - 1e-9
+    # started from the incumbent's plan (a point of the model: HiGHS takes it), the same proof
+    started = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first,
+                               incumbent_schedule=first.schedule)
+    assert optimum * (1 - 1e-4) <= started.bound <= optimum + 1e-9
     monkeypatch.setattr(peak_rows, "GENERATION_MAX_VARIABLES", 10)
+    monkeypatch.setattr(peak_rows, "GENERATION_PLAN_MAX_VARIABLES", 10)
     capped = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
     assert "variables > 10" in capped.details["not_solved"] and not capped.details["solves"]
+
+
+@pytest.mark.parametrize("n, seed, budget", [(8, 1, 63), (9, 0, 86), (9, 3, 99)])
+def test_a_round_over_its_variable_limit_searches_a_plan_below_the_incumbent(n, seed, budget, monkeypatch):
+    """Between GENERATION_MAX_VARIABLES and GENERATION_PLAN_MAX_VARIABLES the round's MILP is solved
+    for a plan only (stopped at its first solution, with the incumbent as a cutoff). Under a cutoff far
+    above every plan it gives one; under any cutoff (at the brute force's optimum, under the rows' own
+    bound: HiGHS may then find nothing), what it gives fits and costs no less than that optimum, and
+    its bound is no more."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    monkeypatch.setattr(peak_rows, "GENERATION_MAX_VARIABLES", 10)
+    for incumbent in (10 * g.total_cost, optimum, first.bound / 2):
+        res = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=incumbent, more_rows_from=first)
+        (solve,) = res.details["solves"]
+        assert solve["plan_only"] and solve["integral"]
+        if incumbent > g.total_cost:
+            assert res.schedule is not None
+        if res.schedule is not None:
+            assert simulate(g, res.schedule).peak_bytes <= budget and res.extra_cost >= optimum - 1e-9
+        assert res.bound <= optimum + 1e-9

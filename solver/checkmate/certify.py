@@ -99,8 +99,9 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
     best = best_cost(known)
     if best - bound > MORE_ROWS_GAP * best and rows.together is not None:
         left = None if deadline is None else max(0.5, deadline - time.perf_counter())
+        start = min((r for r in known.values() if r.sim.peak_bytes <= budget_bytes), key=lambda r: r.sim.extra_cost)
         more = peak_rows_search(graph, budget_bytes, incumbent=best, mip_gap=mip_gap, time_limit_s=left,
-                                more_rows_from=rows)
+                                more_rows_from=rows, incumbent_schedule=start.schedule)
         rows.details["more_rows"] = more.details
         if more.schedule is not None and more.extra_cost < best:
             plans["peak_rows"] = Refined(more.schedule, simulate(graph, more.schedule))

@@ -126,13 +126,20 @@ class SparseModel:
         return h
 
     def solve(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
-              mip_gap: float = 1e-6, start: np.ndarray | None = None, msg: bool = False) -> Solution:
+              mip_gap: float = 1e-6, start: np.ndarray | None = None, msg: bool = False,
+              cutoff: float | None = None, max_improving: int | None = None) -> Solution:
         """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
-        start: a feasible point for the MILP to start from (ignored when HiGHS rejects it)."""
+        start: a feasible point for the MILP to start from (ignored when HiGHS rejects it).
+        cutoff: the MILP accepts only solutions below this objective (status "infeasible" then
+        says only that none is below it); max_improving: it stops after that many solutions."""
         import highspy
 
         t0 = time.perf_counter()
         h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg)
+        if integral and cutoff is not None:
+            h.setOptionValue("objective_bound", float(cutoff))
+        if integral and max_improving is not None:
+            h.setOptionValue("mip_max_improving_sols", int(max_improving))
         n = self.num_vars
         if start is not None and integral:
             h.setSolution(n, np.arange(n, dtype=np.int32), np.asarray(start, float))
