@@ -130,10 +130,10 @@ class SparseModel:
               cutoff: float | None = None, max_improving: int | None = None) -> Solution:
         """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
         start: a feasible point for the MILP to start from (ignored when HiGHS rejects it).
-        cutoff: the MILP accepts only solutions below this objective (status "infeasible" then
-        says only that none is below it); max_improving: it stops after that many solutions."""
-        import highspy
-
+        cutoff: HiGHS's objective bound: its search prunes what is above it, and status
+        "infeasible" then says only that nothing is below it (a solution above it may still come
+        back where presolve solves the model whole); max_improving: it stops after that many
+        improving solutions."""
         t0 = time.perf_counter()
         h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg)
         if integral and cutoff is not None:
