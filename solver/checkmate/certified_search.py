@@ -296,8 +296,8 @@ def _root_cuts(rel, incumbent: float, time_limit_s: float, details, progress) ->
 
     cs = rel.cost_scale
     t0 = time.perf_counter()
-    h = rel.model.highs(integral=True, time_limit_s=time_limit_s, mip_gap=ROOT_CUTS_MIP_GAP)
-    h.setOptionValue("objective_bound", incumbent / cs)  # nothing above the plan is of interest
+    # nothing above the plan is of interest
+    h = rel.model.highs(integral=True, time_limit_s=time_limit_s, mip_gap=ROOT_CUTS_MIP_GAP, cutoff=incumbent / cs)
     h.setOptionValue("mip_heuristic_effort", 0.0)  # only the bound is read
     seen = {"bound": -math.inf, "reports": 0, "flat": 0}
     total = max(rel.graph.total_cost, 1e-12)

@@ -62,8 +62,13 @@ class Certificate:
 def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined], *, mip_gap: float,
             max_iterations: int | None, deadline: float | None) -> Certificate:
     """The bound under `budget_bytes`, given the refined candidates (see the module docstring)."""
+    def best_plan(plans: dict[str, Refined]) -> Refined | None:
+        return min((r for r in plans.values() if r.sim.peak_bytes <= budget_bytes),
+                   key=lambda r: r.sim.extra_cost, default=None)
+
     def best_cost(plans: dict[str, Refined]) -> float:
-        return min((r.sim.extra_cost for r in plans.values() if r.sim.peak_bytes <= budget_bytes), default=math.inf)
+        plan = best_plan(plans)
+        return math.inf if plan is None else plan.sim.extra_cost
 
     known = dict(refined)
     left = None if deadline is None else max(0.5, deadline - time.perf_counter())
@@ -99,9 +104,8 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
     best = best_cost(known)
     if best - bound > MORE_ROWS_GAP * best and rows.together is not None:
         left = None if deadline is None else max(0.5, deadline - time.perf_counter())
-        start = min((r for r in known.values() if r.sim.peak_bytes <= budget_bytes), key=lambda r: r.sim.extra_cost)
         more = peak_rows_search(graph, budget_bytes, incumbent=best, mip_gap=mip_gap, time_limit_s=left,
-                                more_rows_from=rows, incumbent_schedule=start.schedule)
+                                more_rows_from=rows, incumbent_schedule=best_plan(known).schedule)
         rows.details["more_rows"] = more.details
         if more.schedule is not None and more.extra_cost < best:
             plans["peak_rows"] = Refined(more.schedule, simulate(graph, more.schedule))

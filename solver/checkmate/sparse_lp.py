@@ -93,10 +93,14 @@ class SparseModel:
         return out
 
     def highs(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
-              mip_gap: float = 1e-6, msg: bool = False, extra_rows: list | None = None):
+              mip_gap: float = 1e-6, msg: bool = False, extra_rows: list | None = None,
+              cutoff: float | None = None, max_improving: int | None = None):
         """A HiGHS instance holding the model (the LP relaxation unless integral), single-threaded
         with seed 0. extra_rows: [(columns, lo, hi)] rows with coefficients 1 appended after the
-        model's own (the branch-and-bound's class rows)."""
+        model's own (the branch-and-bound's class rows). For the MILP: cutoff, HiGHS's objective
+        bound (its search prunes what is above it, and status "infeasible" then says only that
+        nothing is below it; a solution above it may still come back where presolve solves the model
+        whole); max_improving: it stops after that many improving solutions."""
         import highspy
 
         from remat.solver.checkmate.backends import new_highs
@@ -108,6 +112,10 @@ class SparseModel:
             opts["mip_max_nodes"] = int(max_nodes)
         if time_limit_s is not None:
             opts["time_limit"] = float(max(time_limit_s, 0.01))
+        if integral and cutoff is not None:
+            opts["objective_bound"] = float(cutoff)
+        if integral and max_improving is not None:
+            opts["mip_max_improving_sols"] = int(max_improving)
         for k, v in opts.items():
             h.setOptionValue(k, v)
         starts, index, value = list(self._starts), list(self._index), list(self._value)
@@ -130,16 +138,10 @@ class SparseModel:
               cutoff: float | None = None, max_improving: int | None = None) -> Solution:
         """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
         start: a feasible point for the MILP to start from (ignored when HiGHS rejects it).
-        cutoff: HiGHS's objective bound: its search prunes what is above it, and status
-        "infeasible" then says only that nothing is below it (a solution above it may still come
-        back where presolve solves the model whole); max_improving: it stops after that many
-        improving solutions."""
+        cutoff, max_improving: see `highs`."""
         t0 = time.perf_counter()
-        h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg)
-        if integral and cutoff is not None:
-            h.setOptionValue("objective_bound", float(cutoff))
-        if integral and max_improving is not None:
-            h.setOptionValue("mip_max_improving_sols", int(max_improving))
+        h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg,
+                       cutoff=cutoff, max_improving=max_improving)
         n = self.num_vars
         if start is not None and integral:
             h.setSolution(n, np.arange(n, dtype=np.int32), np.asarray(start, float))
