@@ -214,3 +214,28 @@ def test_a_round_over_its_variable_limit_searches_a_plan_below_the_incumbent(n, 
         if res.schedule is not None:
             assert simulate(g, res.schedule).peak_bytes <= budget and res.extra_cost >= optimum - 1e-9
         assert res.bound <= optimum + 1e-9
+
+
+@pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
+def test_the_rows_a_plan_misses_are_added_a_row_a_round_until_the_gap_is_within_the_goal(n, seed, budget,
+                                                                                         monkeypatch):
+    """One row a round: where the first round's MILP leaves a gap, the row its plan misses is added
+    and the MILP solved again, until it proves the brute force's optimum; with a gap goal its first
+    round is within (`rounds_gap`), it stops there."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    more = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
+    rows = [s["rows"] for s in more.details["solves"]]
+    assert len(rows) >= 2 and rows == list(range(len(first.together[0]) + 1, len(first.together[0]) + 1 + len(rows)))
+    assert more.details["solves"][0]["bound"] < optimum * (1 - 1e-3)  # the first round alone does not prove it
+    assert optimum * (1 - 1e-4) <= more.bound <= optimum + 1e-9
+    assert more.extra_cost == pytest.approx(optimum) and simulate(g, more.schedule).peak_bytes <= budget
+    goal = 1.01 * (1 - more.details["solves"][0]["bound"] / first.extra_cost)  # at least the first round's gap
+    once = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first, rounds_gap=goal)
+    assert [s["rows"] for s in once.details["solves"]] == rows[:1]
+    assert once.extra_cost - once.bound <= goal * once.extra_cost

@@ -8,7 +8,8 @@ whole step's relaxation (RELAXATION_MAX_NODES), that is the certificate; otherwi
 search runs (solver/checkmate/certified_search.py: the relaxation's LP, branch and bound on it,
 plans read off its solutions), started from the candidates, and the larger bound of the two holds.
 Where that still leaves a gap over MORE_ROWS_GAP, the rows' search goes on from its several rows'
-MILP with the rows that MILP's plan misses (peak_rows.py), where that MILP is small enough.
+MILP with the rows that MILP's plan misses (peak_rows.py), a row a round until the gap is within
+MORE_ROWS_GAP, where that MILP is small enough.
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
     if best - bound > MORE_ROWS_GAP * best and rows.together is not None:
         left = None if deadline is None else max(0.5, deadline - time.perf_counter())
         more = peak_rows_search(graph, budget_bytes, incumbent=best, mip_gap=mip_gap, time_limit_s=left,
-                                more_rows_from=rows, incumbent_schedule=best_plan(known).schedule)
+                                more_rows_from=rows, incumbent_schedule=best_plan(known).schedule,
+                                rounds_gap=MORE_ROWS_GAP)
         rows.details["more_rows"] = more.details
         if more.schedule is not None and more.extra_cost < best:
             plans["peak_rows"] = Refined(more.schedule, simulate(graph, more.schedule))

@@ -50,22 +50,24 @@ SINGLE_MILPS = 3  # rows of largest LP bound whose own MILP is solved and made a
 # compare.py transformers for 10 s of LP, and their MILP (16 rows) took 90 s on a 269-node GPT.
 MULTI_MAX_ROWS = 12
 # Where the certified search leaves a large gap (solver/checkmate/certify.py), the rows' search goes on
-# from its several rows' MILP: the rows where that MILP's plan, as read, is over the budget are added
-# (GENERATION_NEW_ROWS of largest excess), and the MILP solved again, GENERATION_ROUNDS times at most,
-# where it has GENERATION_MAX_VARIABLES variables or fewer (a work limit: HiGHS's root alone, not its
-# branching, takes the time). At half the activation memory: DINOv2 (7 rows, 1.2k variables) gap 6.8% ->
-# 0% in 5 s; Data2Vec-Vision (4.0k) 24.2% -> 3.2% and a plan 16% cheaper, Mamba 8.8% -> 2.0%, each for
-# about 1 s more; Funnel (4.4k) 10.7% -> 0% and a plan 9% cheaper for 12 s more; MPNet (2.7k) 12.4% ->
-# 2.7% for ~24 s more. Above it BEiT (8.4k: 10.9% -> 3.7%, a plan 7% cheaper, but 27 s more) and, at its
-# smallest feasible budget, RegNet (5.9k, already at 52 s there) are not solved.
-GENERATION_ROUNDS = 1
-GENERATION_NEW_ROWS = 3
+# from its several rows' MILP: the row where that MILP's plan, as read, is furthest over the budget is
+# added (GENERATION_NEW_ROWS), and the MILP solved again, up to GENERATION_ROUNDS times while the gap
+# is over the caller's `rounds_gap`, where it has GENERATION_MAX_VARIABLES variables or fewer (a work
+# limit: HiGHS's root alone, not its branching, takes the time). One row a round, not three: at half the
+# activation memory MPNet's round (3 rows, 1.6k variables) proves the same bound as with 5 rows (2.7k)
+# in 4.7 s instead of 13.4 s (gap 12.4% -> 2.7%, 19 s in all), DINOv2's the same optimum in 0.5 s
+# instead of 4.9 s; Data2Vec-Vision 24.2% -> 3.2% and Mamba 8.8% -> 2.0% as with three; BEiT (plan
+# only, below) 3.8% and a plan 0.1% cheaper; Funnel 10.7% -> 1.7% in one round (with three rows: 0%,
+# its plan 0.2% cheaper; its second round would prove that, but 1.7% is within certify's 5%).
+GENERATION_ROUNDS = 3
+GENERATION_NEW_ROWS = 1
 GENERATION_MAX_VARIABLES = 5000
 # Over GENERATION_MAX_VARIABLES and up to this, the round's MILP is solved for a plan only: solutions
 # below the best plan's cost (a cutoff), stopped at the PLAN_SOLUTIONS-th of them or after
 # PLAN_MAX_NODES nodes; its dual bound (HiGHS's root's) still counts. BEiT at half its activation
-# memory (8.4k variables): a plan 7% cheaper (7.891% -> 7.323% extra, gap 10.9% -> 4.0%) for ~3 s
-# more, where solving it (2,000 nodes) took 27 s more and its root's bound stays under the rows'.
+# memory (8.4k variables with three rows a round, 6.0k with one): a plan 7% cheaper (7.891% -> 7.323%
+# extra, gap 10.9% -> 4.0%) for ~3 s more, where solving it (2,000 nodes) took 27 s more and its
+# root's bound stays under the rows'.
 # RegNet at its smallest feasible budget (5.9k): 1.850% -> 1.810%, gap 13.9% -> 4.2% (its root's
 # bound over the rows'), ~2 s more. No other plan of benchmarks/certificates.py's 59 models changes
 # at their smallest feasible budgets.
@@ -158,20 +160,22 @@ def _rows_it_misses(graph: TrainingGraph, drops: list[set[int]], modelled: set[i
 def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = math.inf,
                      mip_gap: float = 0.0, time_limit_s: float | None = None,
                      more_rows_from: PeakRowsResult | None = None,
-                     incumbent_schedule: list[str] | None = None) -> PeakRowsResult:
+                     incumbent_schedule: list[str] | None = None, rounds_gap: float = 0.0) -> PeakRowsResult:
     """The rows' bound and plans for `graph` under `budget` (see the module docstring), in stages
     of growing cost, stopping once the best plan (or `incumbent`, a known plan's extra cost) is
     within `mip_gap` of the bound: the LPs of up to MAX_ROWS rows, the MILPs of the SINGLE_MILPS
     rows of largest LP bound, then the MILP of a row per run together. `more_rows_from`: instead,
     go on from that search's last several rows' MILP, adding the rows its plan misses
-    (GENERATION_ROUNDS times at most), its MILP started from `incumbent_schedule` (the incumbent's
-    plan; HiGHS ignores it where it is not a point of the model)."""
+    (GENERATION_ROUNDS times at most, until the gap is within `rounds_gap` or `mip_gap`), its MILP
+    started from `incumbent_schedule` (the incumbent's plan; HiGHS ignores it where it is not a
+    point of the model)."""
     with stage(f"checkmate: rows over the budget ({len(graph.nodes)} nodes)", unit="model") as progress:
-        return _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from, incumbent_schedule)
+        return _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from, incumbent_schedule,
+                       rounds_gap)
 
 
 def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from,
-            incumbent_schedule) -> PeakRowsResult:
+            incumbent_schedule, rounds_gap) -> PeakRowsResult:
     t0 = time.perf_counter()
     rows = over_budget_rows(graph, budget)
     details: dict = {"rows_over_budget": len(rows)}
@@ -234,9 +238,9 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             found["together"] = (tuple(w.step for w in rm.rows), drops)
         return bound, drops
 
-    def done() -> bool:
+    def done(gap: float = mip_gap) -> bool:
         best = min(found["cost"], incumbent)
-        return best - found["bound"] <= mip_gap * best + 1e-12 or time_limit_s is not None and left() <= 0.1
+        return best - found["bound"] <= gap * best + 1e-12 or time_limit_s is not None and left() <= 0.1
 
     def result() -> PeakRowsResult:
         # only the cheapest plan is refined (refining is most of the search's time), and only when
@@ -258,7 +262,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         together = [by_step[t] for t in steps]
         for _ in range(GENERATION_ROUNDS):
             missed = _rows_it_misses(graph, drops, {w.step for w in together}, budget, by_step)
-            if not missed or done():
+            if not missed or done(max(mip_gap, rounds_gap)):
                 break
             together = sorted(together + missed, key=lambda w: w.step)
             rm = rows_model(graph, together, readers)
