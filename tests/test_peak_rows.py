@@ -239,3 +239,7 @@ def test_the_rows_a_plan_misses_are_added_a_row_a_round_until_the_gap_is_within_
     once = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first, rounds_gap=goal)
     assert [s["rows"] for s in once.details["solves"]] == rows[:1]
     assert once.extra_cost - once.bound <= goal * once.extra_cost
+    # the rounds' work limit (simplex iterations; these chains' MILPs may take none): none left, no second round
+    monkeypatch.setattr(peak_rows, "GENERATION_MAX_ITERATIONS", 0)
+    capped = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
+    assert [s["rows"] for s in capped.details["solves"]] == rows[:1] and "iterations" in capped.details["rounds_stopped"]

@@ -29,6 +29,7 @@ class Solution:
     x: np.ndarray | None
     seconds: float
     nodes: int = 0
+    iterations: int = 0  # simplex iterations (a MILP's: over all its LPs), a deterministic measure of work
 
 
 class SparseModel:
@@ -212,16 +213,17 @@ def _solution(h, integral: bool, secs: float) -> Solution:
     x = np.array(h.getSolution().col_value) if has_x else None
     obj = info.objective_function_value if has_x else None
     nodes = int(getattr(info, "mip_node_count", 0) or 0)
+    iters = max(int(info.simplex_iteration_count), 0)
     if not integral:
         if ms != M.kOptimal:
             return Solution("error" if ms not in (M.kTimeLimit, M.kIterationLimit) else "limit",
-                            None, None, None, secs)
+                            None, None, None, secs, iterations=iters)
         # the LP optimum is the bound (its dual value equals the primal one at optimality)
-        return Solution("optimal", obj, obj, x, secs)
+        return Solution("optimal", obj, obj, x, secs, iterations=iters)
     bound = info.mip_dual_bound
     bound = bound if math.isfinite(bound) else None
     if ms == M.kOptimal:
-        return Solution("optimal", obj, bound if bound is not None else obj, x, secs, nodes)
+        return Solution("optimal", obj, bound if bound is not None else obj, x, secs, nodes, iters)
     if ms in (M.kSolutionLimit, M.kTimeLimit, M.kIterationLimit, M.kInterrupt):
-        return Solution("limit", obj, bound, x, secs, nodes)
-    return Solution("error", obj, None, x, secs, nodes)
+        return Solution("limit", obj, bound, x, secs, nodes, iters)
+    return Solution("error", obj, None, x, secs, nodes, iters)
