@@ -3,7 +3,8 @@
 tuned on. Decoders and encoders: 4 layers (BART: 2 + 2), width 128, batch 8 of 128 tokens (one row
 padded); vision: batch 8 of 64 x 64 pictures, 10 classes, Hugging Face's own implementations
 (torchvision's C ops do not load beside the CPU torch). THIRD_MODELS (`--third`) were added after
-the solver's changes for the first two sets, to check it again on models it was not tuned on.
+the solver's changes for the first two sets, to check it again on models it was not tuned on, and
+FOURTH_MODELS (`--fourth`) after those for the third.
 
     m, kwargs = more_model("regnet")   # the model in train mode, and one training call's kwargs
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["more_model", "MORE_MODELS", "TEXT_MODELS", "VISION_MODELS", "THIRD_MODELS"]
+__all__ = ["more_model", "MORE_MODELS", "TEXT_MODELS", "VISION_MODELS", "THIRD_MODELS", "FOURTH_MODELS"]
 
 TEXT_MODELS = ("mistral", "phi", "opt", "bart", "roberta", "distilbert",
                "gpt_neo", "falcon", "bloom", "gptj", "stablelm", "gemma", "starcoder2", "electra", "albert", "deberta_v2")
@@ -26,6 +27,11 @@ MORE_MODELS = TEXT_MODELS + VISION_MODELS
 # response norm, PoolFormer, the bottleneck ResNet-50
 THIRD_MODELS = ("qwen3", "olmo", "phi3", "granite", "gpt_bigcode", "codegen", "mixtral", "xlm_roberta", "mpnet",
                 "pegasus", "mt5", "dinov2", "convnextv2", "poolformer", "cvt", "swinv2", "hf_resnet50", "levit")
+# encoder-decoders with a relative position bias per layer (UMT5: over 1,000 nodes at 3 + 3 layers, beyond the
+# whole step's relaxation), local attention in the encoder (LongT5), pre-norm (mBART) and MarianMT; decoders
+# with squared-ReLU MLPs and LayerNorm1P (Nemotron), sliding and global layers with QK-norm (Gemma-3), a
+# mixture of experts with QK-norm (OLMoE); an encoder with decoupled embeddings (RemBERT)
+FOURTH_MODELS = ("umt5", "longt5", "mbart", "marian", "nemotron", "gemma3", "olmoe", "rembert")
 BATCH, SEQ, VOCAB, WIDTH = 8, 128, 128, 128
 
 
@@ -35,6 +41,17 @@ def _text_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Genera
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
     mask[1, -5:] = 0
     return ids, mask, g
+
+
+def _text_calls() -> tuple[dict, dict, dict, torch.Generator]:
+    """One training call's kwargs for a causal LM, a masked LM and an encoder-decoder (labels half
+    as long), and the generator, to draw more from."""
+    ids, mask, g = _text_batch()
+    lm = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False)
+    mlm = dict(input_ids=ids, attention_mask=mask, labels=ids)
+    seq2seq = dict(input_ids=ids, attention_mask=mask, labels=torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=g),
+                   use_cache=False)
+    return lm, mlm, seq2seq, g
 
 
 def _text(name: str):
@@ -148,11 +165,7 @@ def _vision(name: str):
 def _third(name: str):
     import transformers as tf
 
-    ids, mask, g = _text_batch()
-    lm = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False)
-    mlm = dict(input_ids=ids, attention_mask=mask, labels=ids)
-    seq2seq = dict(input_ids=ids, attention_mask=mask, labels=torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=g),
-                   use_cache=False)
+    lm, mlm, seq2seq, g = _text_calls()
     pictures = dict(pixel_values=torch.randn(BATCH, 3, 64, 64, generator=g),
                     labels=torch.randint(0, 10, (BATCH,), generator=g))
     common = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4,
@@ -195,13 +208,44 @@ def _third(name: str):
     return build[name]()
 
 
+def _fourth(name: str):
+    import transformers as tf
+
+    lm, mlm, seq2seq, g = _text_calls()
+    common = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4,
+                  max_position_embeddings=SEQ + 2, num_hidden_layers=4)
+    t5 = dict(vocab_size=VOCAB, d_model=WIDTH, d_kv=32, d_ff=2 * WIDTH, num_layers=3, num_decoder_layers=3, num_heads=4,
+              decoder_start_token_id=0, pad_token_id=0)
+    bart = dict(vocab_size=VOCAB, d_model=WIDTH, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH,
+                max_position_embeddings=SEQ + 2, pad_token_id=1, decoder_start_token_id=2)
+    build = {
+        "umt5": lambda: (tf.UMT5ForConditionalGeneration(tf.UMT5Config(**t5)), seq2seq),
+        "longt5": lambda: (tf.LongT5ForConditionalGeneration(tf.LongT5Config(**t5, local_radius=16,
+                                                                             encoder_attention_type="local")), seq2seq),
+        "mbart": lambda: (tf.MBartForConditionalGeneration(tf.MBartConfig(**bart)), seq2seq),
+        "marian": lambda: (tf.MarianMTModel(tf.MarianConfig(**bart)), seq2seq),
+        "nemotron": lambda: (tf.NemotronForCausalLM(tf.NemotronConfig(**common, num_key_value_heads=2)), lm),
+        "gemma3": lambda: (tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, num_key_value_heads=2, head_dim=32,
+                                                                    sliding_window=32)), lm),
+        "olmoe": lambda: (tf.OlmoeForCausalLM(tf.OlmoeConfig(**{**common, "num_hidden_layers": 2}, num_experts=4,
+                                                             num_experts_per_tok=2)), lm),
+        "rembert": lambda: (tf.RemBertForMaskedLM(tf.RemBertConfig(**common, input_embedding_size=64,
+                                                                   output_embedding_size=64)), mlm),
+    }
+    return build[name]()
+
+
 def more_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
-    """`name` (one of MORE_MODELS or THIRD_MODELS) in train mode with its weights drawn from
-    `seed`, and the keyword arguments of one training call."""
-    if name not in MORE_MODELS + THIRD_MODELS:
-        raise ValueError(f"unknown model {name!r}; one of {MORE_MODELS + THIRD_MODELS}")
+    """`name` (one of MORE_MODELS, THIRD_MODELS or FOURTH_MODELS) in train mode with its weights
+    drawn from `seed`, and the keyword arguments of one training call."""
+    known = MORE_MODELS + THIRD_MODELS + FOURTH_MODELS
+    if name not in known:
+        raise ValueError(f"unknown model {name!r}; one of {known}")
     torch.manual_seed(seed)
-    if name in THIRD_MODELS:
+    if name in FOURTH_MODELS:
+        model, kwargs = _fourth(name)
+    elif name in THIRD_MODELS:
         model, kwargs = _third(name)
     else:
         model, kwargs = _vision(name) if name in VISION_MODELS else _text(name)

@@ -244,8 +244,9 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         return bound, drops
 
     def done(gap: float = mip_gap) -> bool:
-        best = min(found["cost"], incumbent)
-        return best - found["bound"] <= gap * best + 1e-12 or time_limit_s is not None and left() <= 0.1
+        best = min(found["cost"], incumbent)  # no plan yet (inf): not done, whatever the bound
+        return (math.isfinite(best) and best - found["bound"] <= gap * best + 1e-12
+                or time_limit_s is not None and left() <= 0.1)
 
     def result() -> PeakRowsResult:
         # only the cheapest plan is refined (refining is most of the search's time), and only when
