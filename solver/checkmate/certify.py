@@ -87,13 +87,13 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
     def more_rows(bound: float, source: str | None) -> tuple[float, str | None]:
         """Where the best plan is over MORE_ROWS_GAP above `bound`, the rows' search goes on with
         the rows its several rows' plan misses: (the bound, its source) after it."""
-        best = best_cost(known)
-        if not (best - bound > MORE_ROWS_GAP * best and rows.together is not None):
+        plan = best_plan(known)
+        if plan is None or rows.together is None or plan.sim.extra_cost - bound <= MORE_ROWS_GAP * plan.sim.extra_cost:
             return bound, source
+        best = plan.sim.extra_cost
         left = None if deadline is None else max(0.5, deadline - time.perf_counter())
         more = peak_rows_search(graph, budget_bytes, incumbent=best, mip_gap=mip_gap, time_limit_s=left,
-                                more_rows_from=rows, incumbent_schedule=best_plan(known).schedule,
-                                rounds_gap=MORE_ROWS_GAP)
+                                more_rows_from=rows, incumbent_schedule=plan.schedule, rounds_gap=MORE_ROWS_GAP)
         rows.details["more_rows"] = more.details
         if more.schedule is not None and more.extra_cost < best:
             plans["peak_rows"] = known["peak_rows"] = Refined(more.schedule, simulate(graph, more.schedule))

@@ -270,7 +270,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             missed = _rows_it_misses(graph, drops, {w.step for w in together}, budget, by_step)
             if not missed or done(max(mip_gap, rounds_gap)):
                 break
-            spent = sum(s.get("iterations", 0) for s in solves)
+            spent = sum(s["iterations"] for s in solves)
             if solves and spent >= GENERATION_MAX_ITERATIONS:
                 details["rounds_stopped"] = f"{spent} simplex iterations >= {GENERATION_MAX_ITERATIONS}"
                 break
