@@ -88,6 +88,47 @@ def test_a_step_with_data_dependent_python_is_planned_block_by_block(kind):
     assert not any("forward" in b.__dict__ for b in model.blocks)  # the model is left as it was
 
 
+class ChunkBlock(nn.Module):
+    """Writes into slices of a sliced buffer, as Longformer's sliding-window chunks do: the fake
+    tensors' dispatch cache gave such a block's first trace in a process other bytes than its later
+    ones, and the plan made on one refused the other (PlanMismatchError at deployment)."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, h):
+        y = self.fc2(F.gelu(self.fc1(h)))  # (B, 8, d)
+        buf = y.new_zeros(y.shape[0], 9, y.shape[2] + 1)[:, 1:]
+        buf[:, :, 1:] = y
+        buf[:, :4, :3] = y[:, :4, :3] * 2
+        return h + torch.tanh(buf[:, :, :-1])
+
+
+class ChunkNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([ChunkBlock() for _ in range(3)])
+
+    def forward(self, x):
+        x = x / x.abs().max().item()  # .item() before the blocks: the step cannot be traced whole
+        for b in self.blocks:
+            x = b(x)
+        return (x * x).mean()
+
+
+def test_blocks_traced_twice_deploy_the_plans_made_on_their_first_trace():
+    torch.manual_seed(0)
+    model = ChunkNet()
+    ref = copy.deepcopy(model)
+    x = torch.randn(64, 8, 32)
+    budget = _tight(model, (x,))
+    with pytest.warns(remat.BlockwisePlanWarning, match="3 repeated blocks"):
+        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x,), quiet=True)
+    assert opt.fit.blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    _train_both(lambda x: opt(x), model, ref, [(x,), (x * 0.5,)], budget)
+
+
 def test_without_repeated_blocks_the_trace_error_stays():
     from tests.models import DataDependent
 

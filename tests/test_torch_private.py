@@ -254,3 +254,24 @@ def test_fake_tensor_mode_makes_tensors_without_data():
         pass
     else:
         raise AssertionError(_fail("fake_tensor_mode", "real tensors are accepted as inputs"))
+
+
+def test_no_fake_tensor_cache_computes_every_fake_output():
+    """Under no_fake_tensor_cache a FakeTensorMode runs the op's fake kernel on every call: the same
+    slice_scatter into a sliced buffer gives the same storage both times (the dispatch cache's hit
+    gave a storage of the output's own size where the kernel's output views a larger one)."""
+    def storage_of_second_call(mode):
+        with mode:
+            base = torch.zeros(4, 9, 33)
+            view = base[:, 1:]
+            src = torch.ones(4, 8, 30)
+            sizes = []
+            for _ in range(2):
+                out = torch.ops.aten.slice_scatter.default(view, src, 2, 3, 33)
+                sizes.append((out.untyped_storage().nbytes(), out.storage_offset()))
+        return sizes
+
+    with tp.no_fake_tensor_cache():
+        sizes = storage_of_second_call(tp.fake_tensor_mode())
+    assert sizes[0] == sizes[1], _fail("no_fake_tensor_cache", f"fake outputs differ between calls: {sizes}")
+    assert sizes == storage_of_second_call(tp.fake_tensor_mode()), _fail("fake_tensor_mode", "made with the cache on")
