@@ -9,7 +9,8 @@ RegNet, DeiT, Swin, EfficientNet-B0, MobileViT, BEiT, SegFormer at 64 px: benchm
 the solver off the models it was tuned on; with --third, a third set added later for the same check (Qwen3, OLMo,
 Phi-3, Granite, GPT-BigCode, CodeGen, Mixtral, XLM-RoBERTa, MPNet, Pegasus, mT5; DINOv2, ConvNeXt-V2,
 PoolFormer, CvT, SwinV2, ResNet-50, LeViT); with --fourth, a fourth (UMT5, LongT5, mBART, MarianMT,
-Nemotron, Gemma-3, OLMoE, RemBERT).
+Nemotron, Gemma-3, OLMoE, RemBERT); with --fifth, a fifth (DeepSeek-V3, Qwen2-MoE, Mamba2,
+ModernBERT, T5Gemma, Hiera, PVTv2, BiT).
 
 Budget: resident bytes (parameters, gradients, kept outputs) plus half of what keep_all holds
 above them. Per model and checkout, in its own process on a saved graph: extra cost (% of the
@@ -21,6 +22,7 @@ figure on a shared machine), the bound's source, RSS.
     python benchmarks/certificates.py --smallest     # at each model's smallest feasible budget
     python benchmarks/certificates.py --third --graphs /tmp/third   # the third set of models
     python benchmarks/certificates.py --fourth --graphs /tmp/fourth   # the fourth
+    python benchmarks/certificates.py --fifth --graphs /tmp/fifth   # the fifth
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from more_models import FOURTH_MODELS as FOURTH, MORE_MODELS as MORE, THIRD_MODELS as THIRD
+from more_models import FIFTH_MODELS as FIFTH, FOURTH_MODELS as FOURTH, MORE_MODELS as MORE, THIRD_MODELS as THIRD
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -128,10 +130,11 @@ def _run(code: str, args: list[str], checkout: Path, timeout: float) -> str | No
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="*", choices=MODELS + MORE + THIRD + FOURTH)
+    ap.add_argument("--models", nargs="*", choices=MODELS + MORE + THIRD + FOURTH + FIFTH)
     ap.add_argument("--more", action="store_true", help="the models of MORE (unless --models names others)")
     ap.add_argument("--third", action="store_true", help="the models of THIRD (unless --models names others)")
     ap.add_argument("--fourth", action="store_true", help="the models of FOURTH (unless --models names others)")
+    ap.add_argument("--fifth", action="store_true", help="the models of FIFTH (unless --models names others)")
     ap.add_argument("--frac", type=float, default=0.5, help="share of the activation memory above resident")
     ap.add_argument("--baseline", type=Path, help="another remat checkout to solve the same graphs with")
     ap.add_argument("--graphs", type=Path, default=Path("/tmp/remat_certificate_graphs"))
@@ -140,7 +143,7 @@ def main() -> None:
                     help="at each model's smallest feasible budget (min_feasible_budget, then solve there)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    a.models = a.models or list(FOURTH if a.fourth else THIRD if a.third else MORE if a.more else MODELS)
+    a.models = a.models or list(FIFTH if a.fifth else FOURTH if a.fourth else THIRD if a.third else MORE if a.more else MODELS)
     a.out = a.out or HERE / "results" / ("smallest_budget.txt" if a.smallest else "certificates.txt")
     a.graphs.mkdir(parents=True, exist_ok=True)
     checkouts = [("this", ROOT)] + ([("baseline", a.baseline.resolve())] if a.baseline else [])
@@ -149,7 +152,7 @@ def main() -> None:
     head = "| model | nodes | " + " | ".join(f"{n}: {what}" for n, _ in checkouts) + " |"
     at = "its smallest feasible budget" if a.smallest else f"{a.frac:.0%} of the activation memory"
     flags = (" --smallest" if a.smallest else "") + (" --more" if a.more else "") + (" --third" if a.third else "") + \
-        (" --fourth" if a.fourth else "") + \
+        (" --fourth" if a.fourth else "") + (" --fifth" if a.fifth else "") + \
         (" --baseline " + str(a.baseline) if a.baseline else "")
     lines = [f"# checkmate at {at}: `python benchmarks/certificates.py{flags}`",
              f"# machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start, "
