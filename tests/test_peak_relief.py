@@ -130,3 +130,31 @@ def test_hot_started_probes_give_the_cold_bisection(monkeypatch):
             cold = guided.lowest_peak_search(g)
         assert probed  # the bisection reached the relaxation's probes
         assert hot[1] == cold[1] and simulate(g, hot[0]).peak_bytes == simulate(g, cold[0]).peak_bytes
+
+
+def test_the_bisection_stops_within_its_resolution(monkeypatch):
+    """lowest_peak_search stops once the best peak is within PEAK_RESOLUTION of the highest budget
+    it found no plan at: the probes below it could only have found a peak above that budget, so
+    its peak is within 1 / (1 - resolution) of the peak the bisection to the byte finds, in no
+    more probes (the last probe's reading from nothing, `_cold_at`, set aside: it may go lower
+    either way)."""
+    from remat.solver.checkmate import guided
+
+    real = guided.fit
+    monkeypatch.setattr(guided, "_cold_at", lambda g, best, peak, budget: best)
+    fewer = 0
+    for g in (training_chain(40, 0), random_dag(30, 1), transformer_like(3, seed=2)):
+        runs = {}
+        for res in (0.0, 0.05):
+            probed = []
+            monkeypatch.setattr(guided, "PEAK_RESOLUTION", res)
+            monkeypatch.setattr(guided, "fit", lambda gr, d, b, *a, **k: (probed.append(b) if k.get("max_rounds") == 30 else None)
+                                or real(gr, d, b, *a, **k))
+            sched, bound = guided.lowest_peak_search(g)
+            runs[res] = (simulate(g, sched).peak_bytes, bound, len(probed))
+        (fine, fine_bound, fine_probes), (coarse, coarse_bound, coarse_probes) = runs[0.0], runs[0.05]
+        assert fine_bound <= fine and coarse_bound <= coarse
+        assert fine <= coarse <= fine / (1 - 0.05)
+        assert coarse_probes <= fine_probes
+        fewer += coarse_probes < fine_probes
+    assert fewer  # the resolution cut some bisection short
