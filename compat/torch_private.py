@@ -38,9 +38,10 @@ Entry points (what each is for):
   FlopCounterMode then saw 0 FLOPs for Hugging Face's enable_gqa attention);
 * `fake_tensor_mode()`, `is_fake(t)`: a FakeTensorMode (tensors with shapes, dtypes and devices but no
   data) to trace and plan a step without its memory, and whether a tensor is one of its fakes;
-* `no_fake_tensor_cache()`: fake tensor modes made inside it compute every op's outputs instead of
-  reading them from the dispatch cache (whose outputs of an op that returns a view into a larger
-  storage are fresh storages of the view's size: a second trace would count other bytes).
+* `fresh_fake_tensor_cache()`: empty the fake tensors' dispatch cache, so that a trace starting
+  after it meets the cache as every trace of the same module does (a cached output of an op that
+  returns a view into a larger storage is a fresh storage of the view's size: a module's second
+  trace would count other bytes than its first).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ __all__ = ["TESTED_TORCH", "count_grouped_query_attention", "pytree", "disable_c
            "allow_retained_backward", "backward_keeps_graph",
            "is_input_mutation_output", "compile_session", "profiler_events", "profiler_allocations",
            "compiled_submodules",
-           "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake", "no_fake_tensor_cache"]
+           "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake", "fresh_fake_tensor_cache"]
 
 # The torch releases the tests of this module passed on (pyproject pins the same range).
 TESTED_TORCH = ((2, 13),)
@@ -314,19 +315,20 @@ def fake_tensor_mode():
     first, so no real data is read by mistake."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with no_fake_tensor_cache():  # the mode reads the setting when it is made
-        return FakeTensorMode(allow_non_fake_inputs=False)
+    return FakeTensorMode(allow_non_fake_inputs=False)
 
 
-def no_fake_tensor_cache():
-    """A context in which the FakeTensorModes made (AOTAutograd's, `fake_tensor_mode()`'s) run each
-    op's fake kernel every time instead of reading its dispatch cache: on a hit the cache makes the
-    output a fresh storage of the output's own size, where the op's kernel (slice_scatter into a
-    sliced buffer, as Longformer's sliding chunks do) returns a view into a larger storage, so the
-    same module's first trace and its later ones would count different bytes."""
-    import torch._dynamo.config as dynamo_config
+def fresh_fake_tensor_cache() -> None:
+    """Empty the dispatch cache all FakeTensorModes share (AOTAutograd's, `fake_tensor_mode()`'s). On
+    a hit the cache makes an op's output a fresh storage of the output's own size, where the op's
+    fake kernel (slice_scatter into a sliced buffer, as Longformer's sliding chunks do) returns a
+    view into a larger storage: a trace that met a cache its module's earlier trace had filled
+    counted other bytes. From an empty cache every trace of a module hits and misses alike (and
+    keeps the cache's speed within the trace: running every fake kernel instead made captures ~50%
+    slower)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return dynamo_config.patch(fake_tensor_cache_enabled=False)
+    FakeTensorMode.cache_clear()
 
 
 def is_fake(t) -> bool:

@@ -29,7 +29,7 @@ import torch.nn as nn
 from remat.core.errors import RematError, RematWarning
 from remat.compat.torch_private import (allow_retained_backward, aot_compile_joint, aot_export_joint,
                                        as_partitioner_runs, backward_keeps_graph, joint_graph, joint_needs_autograd,
-                                       joint_state_names, no_fake_tensor_cache, pytree)
+                                       fresh_fake_tensor_cache, joint_state_names, pytree)
 from remat.graph_capture.eager_calls import eager_executable
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
@@ -393,10 +393,10 @@ def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fu
             stack.enter_context(traced_as_compiled())
             stack.enter_context(backward_traced_as_eager())
             stack.enter_context(torch.compiler.set_stance("force_eager"))
-            # fake kernels run every time (no_fake_tensor_cache says why): a module's first trace in
-            # a process and its later ones must count the same bytes, or a plan made on one would
-            # not match the other (a model planned block by block traces each block twice)
-            stack.enter_context(no_fake_tensor_cache())
+            # from an empty fake-tensor cache (fresh_fake_tensor_cache says why): a module's first
+            # trace in a process and its later ones must count the same bytes, or a plan made on one
+            # would not match the other (a model planned block by block traces each block twice)
+            fresh_fake_tensor_cache()
             joint = aot_export_joint(stack, step, flat)
         except (TraceError, OutputError):
             raise

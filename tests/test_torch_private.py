@@ -256,22 +256,19 @@ def test_fake_tensor_mode_makes_tensors_without_data():
         raise AssertionError(_fail("fake_tensor_mode", "real tensors are accepted as inputs"))
 
 
-def test_no_fake_tensor_cache_computes_every_fake_output():
-    """Under no_fake_tensor_cache a FakeTensorMode runs the op's fake kernel on every call: the same
-    slice_scatter into a sliced buffer gives the same storage both times (the dispatch cache's hit
-    gave a storage of the output's own size where the kernel's output views a larger one)."""
-    def storage_of_second_call(mode):
-        with mode:
+def test_fresh_fake_tensor_cache_makes_a_sequence_of_fake_ops_repeat():
+    """After fresh_fake_tensor_cache the same fake ops give the storages they gave the first time
+    (the dispatch cache, filled by the first run, made a later slice_scatter into a sliced buffer a
+    storage of the output's own size where its kernel's output views a larger one)."""
+    def storages():
+        with tp.fake_tensor_mode():
             base = torch.zeros(4, 9, 33)
             view = base[:, 1:]
             src = torch.ones(4, 8, 30)
-            sizes = []
-            for _ in range(2):
-                out = torch.ops.aten.slice_scatter.default(view, src, 2, 3, 33)
-                sizes.append((out.untyped_storage().nbytes(), out.storage_offset()))
-        return sizes
+            out = [torch.ops.aten.slice_scatter.default(view, src, 2, 3, 33) for _ in range(2)]
+            return [(o.untyped_storage().nbytes(), o.storage_offset()) for o in out]
 
-    with tp.no_fake_tensor_cache():
-        sizes = storage_of_second_call(tp.fake_tensor_mode())
-    assert sizes[0] == sizes[1], _fail("no_fake_tensor_cache", f"fake outputs differ between calls: {sizes}")
-    assert sizes == storage_of_second_call(tp.fake_tensor_mode()), _fail("fake_tensor_mode", "made with the cache on")
+    tp.fresh_fake_tensor_cache()
+    first = storages()
+    tp.fresh_fake_tensor_cache()
+    assert storages() == first, _fail("fresh_fake_tensor_cache", "fake outputs differ after the cache was emptied")
