@@ -9,7 +9,8 @@ encoders (Funnel), bottleneck encoders (MobileBERT), selective state spaces (Mam
 path), focal modulation (FocalNet), a decoder with parallel blocks (Cohere), two-stream attention
 (XLNet), convolutional mixing (ConvBERT, SqueezeBERT), video (VideoMAE; its sinusoidal table is a
 plain tensor attribute, made a buffer here as remat's TraceError says), BlenderbotSmall,
-Data2Vec-Vision: small configs (width 64, 2-3 layers, batch 4 of 64 tokens or 32 x 32 pictures),
+Data2Vec-Vision, LED (Longformer's encoder-decoder, added later: planned block by block, its blocks
+traced twice, which a fake-tensor cache had made differ): small configs (width 64, 2-3 layers, batch 4 of 64 tokens or 32 x 32 pictures),
 random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -106,14 +107,20 @@ def _models() -> dict:
         "data2vec_vision": lambda: (tf.Data2VecVisionForImageClassification(tf.Data2VecVisionConfig(
             image_size=32, patch_size=4, hidden_size=W, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=2 * W, num_labels=10, use_relative_position_bias=True)), pics),
+        "led": lambda: (tf.LEDForConditionalGeneration(tf.LEDConfig(
+            vocab_size=V, d_model=W, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=2 * W, decoder_ffn_dim=2 * W, attention_window=16,
+            max_encoder_position_embeddings=S, max_decoder_position_embeddings=S, pad_token_id=1,
+            decoder_start_token_id=2)), s2s),
     }
 
 
-# where the step cannot be traced whole (Wav2Vec2's `labels.max() >= vocab_size`), the budget is this
+# where the step cannot be traced whole (Wav2Vec2's `labels.max() >= vocab_size`, LED's `.item()` on its
+# global-attention mask), the budget is this
 # share of the eager step's measured peak, and remat plans the repeated blocks under it
 BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
-          "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision")
+          "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led")
 
 
 def _loss(out):
