@@ -284,8 +284,8 @@ def _fifth(name: str):
 
 
 def more_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
-    """`name` (one of MORE_MODELS, THIRD_MODELS or FOURTH_MODELS) in train mode with its weights
-    drawn from `seed`, and the keyword arguments of one training call."""
+    """`name` (one of MORE_MODELS, THIRD_MODELS, FOURTH_MODELS or FIFTH_MODELS) in train mode with its
+    weights drawn from `seed`, and the keyword arguments of one training call."""
     known = MORE_MODELS + THIRD_MODELS + FOURTH_MODELS + FIFTH_MODELS
     if name not in known:
         raise ValueError(f"unknown model {name!r}; one of {known}")

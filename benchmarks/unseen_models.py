@@ -10,8 +10,8 @@ path), focal modulation (FocalNet), a decoder with parallel blocks (Cohere), two
 (XLNet), convolutional mixing (ConvBERT, SqueezeBERT), video (VideoMAE; its sinusoidal table is a
 plain tensor attribute, made a buffer here as remat's TraceError says), BlenderbotSmall,
 Data2Vec-Vision, LED (Longformer's encoder-decoder, added later: planned block by block, its blocks
-traced twice, which a fake-tensor cache had made differ): small configs (width 64, 2-3 layers, batch 4 of 64 tokens or 32 x 32 pictures),
-random weights, dropout as configured. A model whose step cannot be traced whole is planned block
+traced twice, which a fake-tensor cache had made differ): small configs (width 64, 2-3 layers,
+batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
 through the backward, as a training loop holds them), whether it fits the budget, and the largest

@@ -245,7 +245,7 @@ def test_the_pipeline_stages_run_as_plain_calls():
 def test_a_module_traced_again_gives_the_same_graph():
     """Tracing is deterministic within a process: a module that writes into slices of a sliced
     buffer (fake ops whose cached outputs once had other storages than computed ones) gives the
-    same graph, bytes and fingerprint on every trace (shapes no other test traces)."""
+    same graph, bytes and fingerprint on every trace."""
     class Chunks(nn.Module):
         def __init__(self):
             super().__init__()

@@ -90,15 +90,15 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
         plan = best_plan(known)
         if plan is None or rows.together is None or plan.sim.extra_cost - bound <= MORE_ROWS_GAP * plan.sim.extra_cost:
             return bound, source
-        best = plan.sim.extra_cost
+        cost = plan.sim.extra_cost
         left = None if deadline is None else max(0.5, deadline - time.perf_counter())
-        more = peak_rows_search(graph, budget_bytes, incumbent=best, mip_gap=mip_gap, time_limit_s=left,
+        more = peak_rows_search(graph, budget_bytes, incumbent=cost, mip_gap=mip_gap, time_limit_s=left,
                                 more_rows_from=rows, incumbent_schedule=plan.schedule, rounds_gap=MORE_ROWS_GAP)
         rows.details["more_rows"] = more.details
-        if more.schedule is not None and more.extra_cost < best:
+        if more.schedule is not None and more.extra_cost < cost:
             plans["peak_rows"] = known["peak_rows"] = Refined(more.schedule, simulate(graph, more.schedule))
         if more.bound > bound:  # never above a plan that fits (a model proving none fits would be wrong)
-            bound, source = min(more.bound, best), ROWS_SOURCE + ", with the rows their plans miss"
+            bound, source = min(more.bound, cost), ROWS_SOURCE + ", with the rows their plans miss"
         return bound, source
 
     if math.isfinite(best) and best - rows.bound <= mip_gap * best + TINY:

@@ -271,7 +271,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             if not missed or done(max(mip_gap, rounds_gap)):
                 break
             spent = sum(s["iterations"] for s in solves)
-            if solves and spent >= GENERATION_MAX_ITERATIONS:
+            if solves and spent >= GENERATION_MAX_ITERATIONS:  # the first round always runs
                 details["rounds_stopped"] = f"{spent} simplex iterations >= {GENERATION_MAX_ITERATIONS}"
                 break
             together = sorted(together + missed, key=lambda w: w.step)
