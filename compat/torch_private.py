@@ -33,6 +33,8 @@ Entry points (what each is for):
 * `inductor_compile(fn, inputs, is_backward)`: Inductor's compiler for one already-partitioned
   forward or backward graph (what torch.compile runs after its own partitioner);
 * `clear_cublas_workspaces()`: release cuBLAS's per-(handle, stream) workspaces, to measure them;
+* `rnn_dropout_between_layers()`: the traced LSTM, GRU and RNN made to apply their dropout between
+  stacked layers, as eager does (torch._decomp's loop drops it);
 * `count_grouped_query_attention()`: torch.utils.flop_counter's SDPA formulas made to count
   grouped-query shapes as torch 2.13 does (earlier versions assert; the cost model and
   FlopCounterMode then saw 0 FLOPs for Hugging Face's enable_gqa attention);
@@ -56,7 +58,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["TESTED_TORCH", "count_grouped_query_attention", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
+__all__ = ["TESTED_TORCH", "count_grouped_query_attention", "rnn_dropout_between_layers", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
            "autograd_sequence_nr", "autocast_supported_devices", "backward_without_autocast",
            "aot_export_joint", "joint_needs_autograd", "joint_graph", "joint_state_names", "aot_compile_joint",
            "as_partitioner_runs", "default_partition", "extract_fwd_bwd_modules",
@@ -366,6 +368,45 @@ def count_grouped_query_attention() -> bool:
     return True
 
 
+def rnn_dropout_between_layers() -> bool:
+    """Make the traced LSTM, GRU and RNN apply their dropout between stacked layers, as eager does.
+    AOTAutograd traces them through torch._decomp's decompositions, whose shared layer loop
+    (`_rnn_helper`) sets the dropout to 0 for every layer (`num_layers < i - 1` never holds): a
+    stacked RNN with dropout traced in training computed another function than the model, silently
+    (a 2-layer LSTM with dropout 0.1: loss 4.80928 against eager's 4.80785, and gradients off by
+    5e-3). The loop is replaced by one that runs it one layer at a time with `torch.dropout`
+    between layers, as eager's RNNs apply it (the same op, in the same order: the same masks from
+    the same seed). Returns whether it replaced it (idempotent)."""
+    from torch._decomp import decompositions
+
+    layer_loop = decompositions._rnn_helper
+    if getattr(layer_loop, "_remat_layer_by_layer", False):
+        return False
+
+    def layer_by_layer(input, hidden, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
+                       layer_fn):
+        if not (dropout and train and num_layers > 1):
+            return layer_loop(input, hidden, params, has_biases, num_layers, dropout, train, bidirectional,
+                              batch_first, layer_fn)
+        per_layer = 2 if bidirectional else 1  # params and hidden hold one entry per layer and direction
+        out = input.transpose(0, 1) if batch_first else input
+        finals = []
+        for i in range(num_layers):
+            at = slice(i * per_layer, (i + 1) * per_layer)
+            out, final = layer_loop(out, hidden[at], params[at], has_biases, 1, 0.0, train, bidirectional, False,
+                                    layer_fn)
+            finals += final
+            if i < num_layers - 1:
+                out = torch.dropout(out, dropout, train=True)
+        return (out.transpose(0, 1) if batch_first else out), finals
+
+    layer_by_layer._remat_layer_by_layer = True
+    decompositions._rnn_helper = layer_by_layer
+    return True
+
+
 # applied once, when remat imports torch's private entry points (the cost model's FLOPs, the fused
-# attention's formulas and FlopCounterMode all read the module's functions at call time)
+# attention's formulas and FlopCounterMode read the module's functions at call time, and so do the
+# RNN decompositions their layer loop)
 count_grouped_query_attention()
+rnn_dropout_between_layers()

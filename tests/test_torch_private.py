@@ -272,3 +272,25 @@ def test_fresh_fake_tensor_cache_makes_a_sequence_of_fake_ops_repeat():
     first = storages()
     tp.fresh_fake_tensor_cache()
     assert storages() == first, _fail("fresh_fake_tensor_cache", "fake outputs differ after the cache was emptied")
+
+
+def test_rnn_decompositions_apply_dropout_between_layers():
+    """The LSTM decomposition AOTAutograd traces, with the entry point applied (as importing remat
+    does): dropout 1 between two layers zeroes the second layer's input, so its output is the
+    second layer run on zeros, not what dropout 0 gives; the entry point replaces the loop once."""
+    from torch._decomp import decompositions
+
+    assert tp.rnn_dropout_between_layers() is False  # applied when remat imported compat
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 4, num_layers=2, dropout=0.5)
+    x = torch.randn(3, 2, 4)
+    hx = (torch.zeros(2, 2, 4), torch.zeros(2, 2, 4))
+    weights = lstm._flat_weights
+
+    def run(dropout, inp=x, layers=2, params=weights):
+        return decompositions.lstm_impl(inp, hx if layers == 2 else (hx[0][:1], hx[1][:1]), params, True, layers,
+                                        dropout, True, False, False)[0]
+
+    second_on_zeros = run(0.0, torch.zeros(3, 2, 4), 1, weights[4:])
+    torch.testing.assert_close(run(1.0), second_on_zeros)
+    assert not torch.allclose(run(0.0), second_on_zeros)
