@@ -278,6 +278,17 @@ def _plain_tensors_hint(exc: BaseException, model: nn.Module) -> str:
             "persistent=False)`) and optimize again")
 
 
+def _reentrant_checkpoint_hint(exc: BaseException) -> str:
+    """Where the model runs torch.utils.checkpoint with use_reentrant=True (its own recomputation,
+    a backward inside the backward, which AOTAutograd cannot trace): what to do instead."""
+    if "use_reentrant=True" not in str(exc):
+        return ""
+    return ("\n  the model checkpoints its own blocks with torch.utils.checkpoint(use_reentrant=True); remat plans "
+            "what to recompute itself: turn that checkpointing off (Hugging Face: "
+            "`model.gradient_checkpointing_disable()`), or pass use_reentrant=False, which traces through "
+            "(remat's plan then decides), and optimize again")
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch and remat's own machinery: the user's line."""
     import os
@@ -402,7 +413,8 @@ def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fu
             raise
         except Exception as e:  # tracing failures surface from deep inside torch: name the culprit
             raise TraceError(f"could not trace the training step of {name}: {_what_failed(e)}\n"
-                             f"  at {_user_frame(e)}{_plain_tensors_hint(e, model)}") from e
+                             f"  at {_user_frame(e)}{_plain_tensors_hint(e, model)}"
+                             f"{_reentrant_checkpoint_hint(e)}") from e
         finally:
             tracing.close()
         if sig.outputs is None:

@@ -262,3 +262,36 @@ def test_a_module_traced_again_gives_the_same_graph():
     graphs = [remat.capture(m, (x,), quiet=True) for _ in range(3)]
     assert len({g.fingerprint() for g in graphs}) == 1
     assert all([v.out_bytes for v in g.nodes] == [v.out_bytes for v in graphs[0].nodes] for g in graphs)
+
+
+class ReentrantCheckpointed(nn.Module):
+    """Blocks the model checkpoints itself, with torch.utils.checkpoint's reentrant variant."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)  # the checkpointed blocks' input requires grad, as an embedding's output
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return x.sum()
+
+
+def test_reentrant_checkpointing_is_named_with_what_to_do():
+    """A model checkpointing its own blocks with use_reentrant=True cannot be traced: the error says
+    to turn that off or use use_reentrant=False; with use_reentrant=False remat plans the step and
+    trains it as eager does."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    with pytest.raises(remat.TraceError, match=r"use_reentrant=True\).*gradient_checkpointing_disable"):
+        remat.optimize(ReentrantCheckpointed(True), example_inputs=(x,), solver="keep_all", quiet=True)
+    model = ReentrantCheckpointed(False)
+    opt = remat.optimize(model, example_inputs=(x,), solver="keep_all", quiet=True)
+    opt(x).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters()))
