@@ -158,3 +158,38 @@ def test_the_bisection_stops_within_its_resolution(monkeypatch):
         assert coarse_probes <= fine_probes
         fewer += coarse_probes < fine_probes
     assert fewer  # the resolution cut some bisection short
+
+
+def test_the_cold_read_stops_at_its_work_limit(monkeypatch):
+    """`_cold_at` solves the last probe's relaxation from nothing within COLD_MAX_ITERATIONS
+    simplex iterations: under the default limit these small graphs' LPs finish (optimal), and with
+    a limit of one iteration the LP stops ("limit") and the search returns the plan the hot-started
+    probes found, as if the cold read were not made."""
+    from remat.solver.checkmate import guided
+    from remat.solver.checkmate.sparse_lp import SparseModel
+
+    statuses = []
+    real_solve = SparseModel.solve
+
+    def spy(self, **kw):
+        sol = real_solve(self, **kw)
+        if "max_iterations" in kw:
+            statuses.append(sol.status)
+        return sol
+
+    monkeypatch.setattr(SparseModel, "solve", spy)
+    real_cold = guided._cold_at
+    for g in (training_chain(20, 2), random_dag(30, 0), transformer_like(3, seed=2)):
+        statuses.clear()
+        full = guided.lowest_peak_search(g)
+        assert statuses == ["optimal"]  # the cold read ran, and within the default limit
+        with monkeypatch.context() as m:
+            m.setattr(guided, "COLD_MAX_ITERATIONS", 1)
+            statuses.clear()
+            cut = guided.lowest_peak_search(g)
+            assert statuses == ["limit"]
+            m.setattr(guided, "_cold_at", lambda gr, best, peak, budget: best)
+            hot = guided.lowest_peak_search(g)
+        assert cut[0] == hot[0] and cut[1] == hot[1] == full[1]
+        assert simulate(g, full[0]).peak_bytes == simulate(g, cut[0]).peak_bytes
+    assert guided._cold_at is real_cold

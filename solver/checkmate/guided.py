@@ -22,7 +22,7 @@ from remat.solver.checkmate.sparse_lp import HotLP, Solution
 from remat.core.simulator import simulate
 
 __all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "exchanged_plan", "best_guided", "lowest_peak_search", "BudgetProbe", "descend", "THRESHOLDS", "REFINED",
-           "PROBE_MAX_VARIABLES", "PEAK_RESOLUTION"]
+           "PROBE_MAX_VARIABLES", "PEAK_RESOLUTION", "COLD_MAX_ITERATIONS"]
 
 THRESHOLDS = (0.9, 0.5)
 # lowest_peak_search probes budgets only on relaxations up to this many variables: the first
@@ -33,6 +33,12 @@ PROBE_MAX_VARIABLES = 100_000
 # highest budget at which no plan was found: Gemma-3 (840 nodes) went on to probe budgets 100 bytes
 # apart on a 12 MB peak, 8 of its 15 probes after its best peak was within 0.1% (84 -> 50 s)
 PEAK_RESOLUTION = 1e-3
+# a work limit on the last probe's LP read again from nothing (`_cold_at`: a cheaper plan at the
+# same peak, where there is one), in simplex iterations. At the smallest budgets of the 75 models of
+# benchmarks/certificates.py it ran on 26, and gave the plan kept on three, in 10k-23k iterations
+# (ALBERT, ResNet-50, DistilBERT); the three over this limit gave none and took the longest:
+# Gemma-3 32k (6 s), DeepSeek-V3 40k (5 s), Mamba2 52k (24 s of its 98)
+COLD_MAX_ITERATIONS = 30_000
 REFINED = 2  # candidate schedules of one LP solution that best_guided refines: the cheapest
 
 
@@ -290,7 +296,7 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     when that relaxation's LP is infeasible no schedule fits the probe budget, and the bound
     rises to it; once a probe's plan fitted, the bisection stops where the best peak is within
     PEAK_RESOLUTION of that bound or of the last probe that found no plan. The last probe whose
-    plan fitted is also solved from nothing (`_cold_at`). probes: how many budgets are probed
+    plan fitted is also solved from nothing (`_cold_at`, within COLD_MAX_ITERATIONS). probes: how many budgets are probed
     (None: 16, and none on relaxations over PROBE_MAX_VARIABLES)."""
     rel = Relaxation(graph, None)
     sol = rel.model.solve()
@@ -342,9 +348,10 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
 def _cold_at(graph: TrainingGraph, best: list[str], peak: int, budget: int) -> list[str]:
     """`best` (read off the hot-started LP at `budget`), or the plan read off the same LP solved
     from nothing, where that one is cheaper and peaks no higher: a hot start can end at another
-    optimum of the same LP, whose plans differ (ResNet-50's at its smallest budget cost 1.3% more)."""
+    optimum of the same LP, whose plans differ (ResNet-50's at its smallest budget cost 1.3% more).
+    `best` where that LP takes more than COLD_MAX_ITERATIONS simplex iterations."""
     rel = Relaxation(graph, budget)
-    lp = rel.model.solve() if rel.infeasible_at is None else None
+    lp = rel.model.solve(max_iterations=COLD_MAX_ITERATIONS) if rel.infeasible_at is None else None
     found = best_guided(graph, rel, lp.x, budget) if lp is not None and lp.x is not None else None
     if found is None:
         return best

@@ -95,13 +95,14 @@ class SparseModel:
 
     def highs(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
               mip_gap: float = 1e-6, msg: bool = False, extra_rows: list | None = None,
-              cutoff: float | None = None, max_improving: int | None = None):
+              cutoff: float | None = None, max_improving: int | None = None, max_iterations: int | None = None):
         """A HiGHS instance holding the model (the LP relaxation unless integral), single-threaded
         with seed 0. extra_rows: [(columns, lo, hi)] rows with coefficients 1 appended after the
         model's own (the branch-and-bound's class rows). For the MILP: cutoff, HiGHS's objective
         bound (its search prunes what is above it, and status "infeasible" then says only that
         nothing is below it; a solution above it may still come back where presolve solves the model
-        whole); max_improving: it stops after that many improving solutions."""
+        whole); max_improving: it stops after that many improving solutions. max_iterations: a
+        work limit on the LP's simplex iterations (status "limit" when it stops there)."""
         import highspy
 
         from remat.solver.checkmate.backends import new_highs
@@ -117,6 +118,8 @@ class SparseModel:
             opts["objective_bound"] = float(cutoff)
         if integral and max_improving is not None:
             opts["mip_max_improving_sols"] = int(max_improving)
+        if max_iterations is not None:
+            opts["simplex_iteration_limit"] = int(max_iterations)
         for k, v in opts.items():
             h.setOptionValue(k, v)
         starts, index, value = list(self._starts), list(self._index), list(self._value)
@@ -136,13 +139,14 @@ class SparseModel:
 
     def solve(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
               mip_gap: float = 1e-6, start: np.ndarray | None = None, msg: bool = False,
-              cutoff: float | None = None, max_improving: int | None = None) -> Solution:
+              cutoff: float | None = None, max_improving: int | None = None,
+              max_iterations: int | None = None) -> Solution:
         """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
         start: a feasible point for the MILP to start from (ignored when HiGHS rejects it).
-        cutoff, max_improving: see `highs`."""
+        cutoff, max_improving, max_iterations: see `highs`."""
         t0 = time.perf_counter()
         h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg,
-                       cutoff=cutoff, max_improving=max_improving)
+                       cutoff=cutoff, max_improving=max_improving, max_iterations=max_iterations)
         n = self.num_vars
         if start is not None and integral:
             h.setSolution(n, np.arange(n, dtype=np.int32), np.asarray(start, float))
