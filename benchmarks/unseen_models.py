@@ -10,7 +10,9 @@ path), focal modulation (FocalNet), a decoder with parallel blocks (Cohere), two
 (XLNet), convolutional mixing (ConvBERT, SqueezeBERT), video (VideoMAE; its sinusoidal table is a
 plain tensor attribute, made a buffer here as remat's TraceError says), BlenderbotSmall,
 Data2Vec-Vision, LED (Longformer's encoder-decoder, added later: planned block by block, its blocks
-traced twice, which a fake-tensor cache had made differ): small configs (width 64, 2-3 layers,
+traced twice, which a fake-tensor cache had made differ), and later still a 2-layer LSTM with dropout
+between its layers (which the traced step had dropped) and Llama checkpointing its own layers
+(gradient_checkpointing_enable, use_reentrant=False): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -37,6 +39,21 @@ from remat.machine_info import machine
 B, S, V, W = 4, 64, 128, 64
 
 
+class LSTMLanguageModel(torch.nn.Module):
+    """Two stacked LSTM layers with dropout between them (the dropout torch's RNN decompositions
+    dropped: compat/torch_private.py rnn_dropout_between_layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, W)
+        self.rnn = torch.nn.LSTM(W, W, num_layers=2, batch_first=True, dropout=0.1)
+        self.head = torch.nn.Linear(W, V)
+
+    def forward(self, input_ids, labels):
+        h, _ = self.rnn(self.emb(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())}
+
+
 def _models() -> dict:
     import transformers as tf
 
@@ -53,6 +70,11 @@ def _models() -> dict:
     audio = torch.randn(B, 16, 64, generator=g)
     speech = torch.randn(B, 4000, generator=g)
     video = torch.randn(B, 4, 3, 32, 32, generator=g)
+
+    def llama_checkpointed():  # checkpointing its own layers, as gradient_checkpointing_enable() does
+        m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2))
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m, lm
 
     def videomae():
         m = tf.VideoMAEForVideoClassification(tf.VideoMAEConfig(
@@ -112,6 +134,8 @@ def _models() -> dict:
             decoder_attention_heads=4, encoder_ffn_dim=2 * W, decoder_ffn_dim=2 * W, attention_window=16,
             max_encoder_position_embeddings=S, max_decoder_position_embeddings=S, pad_token_id=1,
             decoder_start_token_id=2)), s2s),
+        "lstm": lambda: (LSTMLanguageModel(), dict(input_ids=ids, labels=ids)),
+        "llama_checkpointed": llama_checkpointed,
     }
 
 
@@ -120,7 +144,8 @@ def _models() -> dict:
 # share of the eager step's measured peak, and remat plans the repeated blocks under it
 BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
-          "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led")
+          "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
+          "llama_checkpointed")
 
 
 def _loss(out):

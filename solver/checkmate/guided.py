@@ -296,8 +296,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     when that relaxation's LP is infeasible no schedule fits the probe budget, and the bound
     rises to it; once a probe's plan fitted, the bisection stops where the best peak is within
     PEAK_RESOLUTION of that bound or of the last probe that found no plan. The last probe whose
-    plan fitted is also solved from nothing (`_cold_at`, within COLD_MAX_ITERATIONS). probes: how many budgets are probed
-    (None: 16, and none on relaxations over PROBE_MAX_VARIABLES)."""
+    plan fitted is also solved from nothing (`_cold_at`, within COLD_MAX_ITERATIONS). probes: how
+    many budgets are probed (None: 16, and none on relaxations over PROBE_MAX_VARIABLES)."""
     rel = Relaxation(graph, None)
     sol = rel.model.solve()
     if sol.x is None:
