@@ -16,7 +16,6 @@ the old tensors.
 """
 from __future__ import annotations
 
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -33,6 +32,7 @@ from remat.compat.torch_private import (allow_retained_backward, aot_compile_joi
 from remat.graph_capture.eager_calls import eager_executable
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
+from remat.graph_capture.trace_failures import trace_failure, what_failed
 from remat.core.progress import Stage
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "ParameterMismatchError", "DoubleBackwardError",
@@ -256,60 +256,6 @@ def run_boxed(gm: torch.fx.GraphModule, example_inputs):
     return run
 
 
-def _what_failed(exc: BaseException) -> str:
-    """The error's type and the first line of its message (torch's run to many lines)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _plain_tensors_hint(exc: BaseException, model: nn.Module) -> str:
-    """Where the trace met a real tensor that is neither a parameter, a buffer nor an input (a
-    module attribute holding a plain tensor, as VideoMAE's sinusoidal position table), which
-    AOTAutograd's fake tensors refuse: the model's attributes of that kind, and what to do."""
-    if "convert all Tensors to FakeTensors" not in str(exc):
-        return ""
-    found = [f"{path + '.' if path else ''}{attr} {tuple(t.shape)}" for path, m in model.named_modules()
-             for attr, t in vars(m).items() if isinstance(t, torch.Tensor)]
-    if not found:
-        return ""
-    return ("\n  the model reads tensors held as plain module attributes, not as parameters or buffers: "
-            f"{', '.join(found[:5])}{' ...' if len(found) > 5 else ''}; the step is traced without data and "
-            "cannot take them: make each a buffer (`t = m.NAME; del m.NAME; m.register_buffer('NAME', t, "
-            "persistent=False)`) and optimize again")
-
-
-def _reentrant_checkpoint_hint(exc: BaseException) -> str:
-    """Where the model runs torch.utils.checkpoint with use_reentrant=True (its own recomputation,
-    a backward inside the backward, which AOTAutograd cannot trace): what to do instead."""
-    if "use_reentrant=True" not in str(exc):
-        return ""
-    return ("\n  the model checkpoints its own blocks with torch.utils.checkpoint(use_reentrant=True); remat plans "
-            "what to recompute itself: turn that checkpointing off (Hugging Face: "
-            "`model.gradient_checkpointing_disable()`), or pass use_reentrant=False, which traces through "
-            "(remat's plan then decides), and optimize again")
-
-
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch and remat's own machinery: the user's line."""
-    import os
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    torch_dir = os.path.dirname(torch.__file__)
-    from importlib.util import find_spec
-
-    # remat's own folders, found without importing the later stages of the pipeline
-    stages = ("remat", "remat.compat", "remat.attention", "remat.graph_capture", "remat.solver", "remat.runtime")
-    ours = {os.path.dirname(os.path.abspath(find_spec(name).origin)) for name in stages}
-    for fr in reversed(frames):
-        path = os.path.abspath(fr.filename)
-        if path.startswith(torch_dir) or path.startswith("<"):
-            continue
-        if os.path.dirname(path) in ours and not path.endswith("default_model.py"):
-            continue
-        return f"{fr.filename}:{fr.lineno}: {fr.line}"
-    return "<unknown source line>"
-
-
 class CapturedStep:
     """A training step `capture_training_step` traced: AOTAutograd's joint graph (`joint_gm`: primals
     then tangents in; the `num_fwd_outputs` forward outputs, then one gradient per primal, out) and
@@ -361,7 +307,7 @@ class CapturedStep:
         except RematError:
             raise
         except Exception as e:
-            raise TraceError(f"could not compile the training step of {self.name}: {_what_failed(e)}") from e
+            raise TraceError(f"could not compile the training step of {self.name}: {what_failed(e)}") from e
         if not handed:
             raise TraceError(f"AOTAutograd compiled the step of {self.name} without asking for its split")
         return guard_autocast(CompiledStep(run, self._step), self._autocast)
@@ -412,9 +358,7 @@ def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fu
         except (TraceError, OutputError):
             raise
         except Exception as e:  # tracing failures surface from deep inside torch: name the culprit
-            raise TraceError(f"could not trace the training step of {name}: {_what_failed(e)}\n"
-                             f"  at {_user_frame(e)}{_plain_tensors_hint(e, model)}"
-                             f"{_reentrant_checkpoint_hint(e)}") from e
+            raise TraceError(trace_failure(name, e, model)) from e
         finally:
             tracing.close()
         if sig.outputs is None:
