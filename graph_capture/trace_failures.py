@@ -3,7 +3,9 @@ first line, the user's source line it came from, and where the failure has a kno
 model, what to do about it (a plain tensor attribute, reentrant self-checkpointing)."""
 from __future__ import annotations
 
+import os
 import traceback
+from importlib.util import find_spec
 
 import torch
 import torch.nn as nn
@@ -52,12 +54,8 @@ def _reentrant_checkpoint_hint(exc: BaseException) -> str:
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch and remat's own machinery: the user's line."""
-    import os
-
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = os.path.dirname(torch.__file__)
-    from importlib.util import find_spec
-
     # remat's own folders, found without importing the later stages of the pipeline
     stages = ("remat", "remat.compat", "remat.attention", "remat.graph_capture", "remat.solver", "remat.runtime")
     ours = {os.path.dirname(os.path.abspath(find_spec(name).origin)) for name in stages}

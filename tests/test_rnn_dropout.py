@@ -53,9 +53,9 @@ def test_stacked_rnn_dropout_trains_as_eager(kind, batch_first, bidirectional, s
         return [loss.detach()] + [p.grad.clone() for p in params]
 
     eager = step(model)
-    model.rnn.dropout = 0.0
+    dropout, model.rnn.dropout = model.rnn.dropout, 0.0
     assert not torch.equal(step(model)[0], eager[0])  # the dropout changes this step's loss
-    model.rnn.dropout = 0.3
+    model.rnn.dropout = dropout
     keep = remat.optimize(model, example_inputs=(ids, ids), solver="keep_all", quiet=True)
     with pytest.raises(remat.InfeasibleBudgetError) as refused:  # the smallest feasible budget: it recomputes
         remat.optimize(model, example_inputs=(ids, ids), budget_bytes=1, solver=solver, quiet=True)
