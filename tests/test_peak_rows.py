@@ -280,10 +280,84 @@ def test_the_rows_search_goes_on_while_it_has_no_plan(monkeypatch):
     real_fit = peak_rows.fit
 
     def first_fails(graph, drops, b, **kw):
-        calls.append(1)
-        return None if len(calls) == 1 else real_fit(graph, drops, b, **kw)
+        calls.append(1)  # the first MILP's plan, by both prices of a drop (peak_rows._fitted)
+        return None if len(calls) <= 2 else real_fit(graph, drops, b, **kw)
 
     monkeypatch.setattr(peak_rows, "fit", first_fails)
     res = peak_rows_search(g, budget, mip_gap=1e-4)
-    assert len(calls) >= 2 and sum(s["integral"] for s in res.details["solves"]) >= 2
+    assert len(calls) >= 3 and sum(s["integral"] for s in res.details["solves"]) >= 2
     assert res.schedule is not None and simulate(g, res.schedule).peak_bytes <= budget
+
+
+def test_the_runs_of_smallest_bound_are_left_out_over_the_variable_limit(monkeypatch):
+    """The MILP of a row per run together is built with at most MULTI_MAX_VARIABLES variables: over
+    it, runs are left out (those of smallest LP bound) until it fits, here down to one run, so no
+    such MILP is solved (a bidirectional GRU's 12 runs: 49k variables, its root LP over 120 s), and
+    details say so; the bound stays a bound."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(8, 8)
+    budget = 69
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    full = peak_rows_search(g, budget, mip_gap=1e-4)
+    together = [s for s in full.details["solves"] if s["rows"] > 1]
+    assert len(together) == 1 and "runs_left_out" not in full.details
+    size = together[0]["variables"]
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_VARIABLES", size - 1)
+    capped = peak_rows_search(g, budget, mip_gap=1e-4)
+    assert not [s for s in capped.details["solves"] if s["rows"] > 1]
+    assert capped.details["runs_left_out"] == f"2 runs: {size} variables > {size - 1}: none solved together"
+    assert capped.bound < full.bound and capped.bound <= optimum + 1e-9
+
+
+def test_chain_cost_counts_the_values_a_recomputation_needs_that_are_not_live():
+    from remat.solver.checkmate.guided import chain_cost
+
+    f = [Node("x", "op", (), out_bytes=4, cost=1.0, is_random=True),
+         Node("m", "op", ("x",), out_bytes=4, cost=100.0),
+         Node("p", "op", ("m",), out_bytes=40, cost=4.0),
+         Node("s", "op", ("p", "m"), out_bytes=4, cost=2.0)]
+    g = TrainingGraph(nodes=tuple(f + [Node("ds", "bwd", ("s",), out_bytes=4, cost=1.0, is_backward=True)]),
+                      resident_bytes=0, name="chain")
+    assert chain_cost(g, 3, set()) == 106.0  # s, p and m (once, though both read it); never x (random)
+    assert chain_cost(g, 3, {2}) == 102.0  # p held: s and m
+    assert chain_cost(g, 3, {1, 2}) == 2.0
+    assert chain_cost(g, 2, set()) == 104.0
+
+
+def test_a_recurrence_is_made_to_fit_by_pricing_what_a_drop_recomputes():
+    """A bidirectional GRU's training step (8 steps): made to fit half its activation memory from
+    nothing by the cheapest drops per byte of their own cost, it does not fit (each step's gate
+    pre-activation looks cheap, but computing it again needs the whole input projection and the
+    matmul before it); priced with what they are computed from (`chains`), it does, and the rows'
+    search keeps the cheaper of the two."""
+    import torch
+
+    import remat
+    from remat.solver.checkmate import guided
+    from remat.solver.checkmate.peak_rows import _fitted
+    from remat.solver import keep_all
+
+    class GRUNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.rnn = torch.nn.GRU(8, 8, batch_first=True, bidirectional=True)
+            self.head = torch.nn.Linear(16, 16)
+
+        def forward(self, ids):
+            h, _ = self.rnn(self.emb(ids))
+            return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (2, 8))
+    g = remat.capture(GRUNet().train(), (ids,))
+    keep = keep_all.solve(g).predicted_peak_bytes
+    floor = g.resident_bytes + sum(v.kept_bytes for v in g.nodes)
+    budget = int(floor + 0.5 * (keep - floor))
+    empty = [set() for _ in g.nodes]
+    assert guided.fit(g, empty, budget) is None
+    chains = guided.fit(g, empty, budget, chains=True)
+    assert chains is not None and simulate(g, chains).peak_bytes <= budget
+    assert _fitted(g, empty, budget) == chains

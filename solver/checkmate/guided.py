@@ -165,15 +165,19 @@ def threshold_search(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budge
 
 
 def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: int = 60,
-        before: list[list[int]] | None = None, sticky: bool = False, with_drops: bool = False):
+        before: list[list[int]] | None = None, sticky: bool = False, with_drops: bool = False,
+        chains: bool = False):
     """Drop more values until the schedule fits `budget`. Each round simulates the schedule once
     and, at every step over the budget, forgets the live forward values with the least
     recomputation cost per byte, enough of them to cover that step's excess, after the last first
-    computation before the step. None when nothing more can be dropped."""
+    computation before the step. None when nothing more can be dropped. chains: a value's
+    recomputation cost counts the values it is computed from that are not live there either
+    (`chain_cost`), not its own cost alone."""
     from remat.core.simulator import last_reads
 
     nodes, idx = graph.nodes, graph.index
     inputs = [set(ins) for ins in graph.input_indices]
+    own = [v.cost for v in nodes]
     drops = [set(d) for d in drops]
     for _ in range(max_rounds):
         sched = schedule_from_live(graph, drops, prune=False, before=before, sticky=sticky)
@@ -191,8 +195,9 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
             excess = sim.timeline[s] - budget - chosen.get(row, 0)
             if excess > 0:
                 busy = inputs[v] | {v}
+                price = (lambda u: chain_cost(graph, u, live)) if chains else own.__getitem__
                 cands = sorted((u for u in live if nodes[u].recomputable and u not in drops[row] and u not in busy
-                                and nodes[u].out_bytes > 0), key=lambda u: nodes[u].cost / nodes[u].out_bytes)
+                                and nodes[u].out_bytes > 0), key=lambda u: price(u) / nodes[u].out_bytes)
                 for u in cands:  # the cheapest per byte, until their bytes cover the excess
                     drops[row].add(u)
                     chosen[row] = chosen.get(row, 0) + nodes[u].out_bytes
@@ -206,6 +211,25 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
         if not grew:
             return None
     return None
+
+
+CHAIN_MAX_NODES = 64  # values one chain_cost visits, at most (a work limit: a recurrence's chain is its whole past)
+
+
+def chain_cost(graph: TrainingGraph, u: int, live: set[int]) -> float:
+    """What computing value u again costs where the values in `live` are held: its cost and that
+    of every value it is computed from that is neither live nor kept (recomputable), each once,
+    visiting at most CHAIN_MAX_NODES values."""
+    nodes, inputs = graph.nodes, graph.input_indices
+    seen, stack, total = {u}, [u], 0.0
+    while stack and len(seen) <= CHAIN_MAX_NODES:
+        w = stack.pop()
+        total += nodes[w].cost
+        for i in inputs[w]:
+            if i not in seen and i not in live and nodes[i].recomputable:
+                seen.add(i)
+                stack.append(i)
+    return total
 
 
 def exchanged_plan(graph: TrainingGraph, rel: Relaxation, x: np.ndarray, budget: int,

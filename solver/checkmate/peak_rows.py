@@ -35,7 +35,7 @@ from remat.solver.schedule import keep_all_schedule
 
 __all__ = ["PeakRowsResult", "peak_rows_search", "MAX_ROWS", "SINGLE_MILPS", "MULTI_MAX_ROWS", "GENERATION_ROUNDS",
            "GENERATION_NEW_ROWS", "GENERATION_MAX_ITERATIONS", "GENERATION_MAX_VARIABLES",
-           "GENERATION_PLAN_MAX_VARIABLES", "PLAN_SOLUTIONS", "PLAN_MAX_NODES", "ROWS_MAX_NODES", "MILP_SAFETY",
+           "GENERATION_PLAN_MAX_VARIABLES", "MULTI_MAX_VARIABLES", "PLAN_SOLUTIONS", "PLAN_MAX_NODES", "ROWS_MAX_NODES", "MILP_SAFETY",
            "peak_floor", "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
@@ -50,6 +50,11 @@ SINGLE_MILPS = 3  # rows of largest LP bound whose own MILP is solved and made a
 # every row: 48 rows together raised the bound 1-3% (relative) over the best single row on the
 # compare.py transformers for 10 s of LP, and their MILP (16 rows) took 90 s on a 269-node GPT.
 MULTI_MAX_ROWS = 12
+# ... and with at most this many variables (a work limit: the runs of smallest LP bound left out
+# until it fits; one run left: not solved). A bidirectional GRU over 64 steps (4,119 nodes, 2,005
+# rows at half its activation memory): 12 runs made 49,016 variables and 127,926 constraints, and
+# HiGHS's root LP alone had not finished after 120 s (the solve sat there for over 20 minutes).
+MULTI_MAX_VARIABLES = 12_000
 # Where the certified search leaves a large gap (solver/checkmate/certify.py), the rows' search goes on
 # from its several rows' MILP: the row where that MILP's plan, as read, is furthest over the budget is
 # added (GENERATION_NEW_ROWS), and the MILP solved again, up to GENERATION_ROUNDS times while the gap
@@ -162,6 +167,25 @@ def _rows_it_misses(graph: TrainingGraph, drops: list[set[int]], modelled: set[i
     return [by_step[t] for t in sorted(excess, key=lambda t: (-excess[t], t))[:GENERATION_NEW_ROWS]]
 
 
+def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> list[str] | None:
+    """The drops made to fit by guided.fit with each of its two prices of a drop (a value's own
+    cost per byte, and with the values it is computed from that are not live: `chains`), the
+    cheaper schedule; None where neither fits. The own cost alone misleads on recurrences: a
+    bidirectional GRU's gate pre-activation (4 KB a step) is as cheap per byte as the input
+    projection it reads (196 KB, 1.2M FLOPs), whose recomputation needs the 4.7M FLOP matmul
+    before it; dropped for one step, it is computed again for each step's read. At half its
+    activation memory (64 steps) the rows' plans cost 519-1189% extra that way, 11-81% priced
+    by chains (143.7% -> 10.4% after refinement); a 2-layer LSTM's 5.3% -> 2.9% (its bound 2.8%)."""
+    best = None
+    for chains in (False, True):
+        sched = fit(graph, drops, budget, chains=chains)
+        if sched is not None:
+            cost = simulate(graph, sched).extra_cost
+            if best is None or cost < best[0]:
+                best = (cost, sched)
+    return None if best is None else best[1]
+
+
 def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = math.inf,
                      mip_gap: float = 0.0, time_limit_s: float | None = None,
                      more_rows_from: PeakRowsResult | None = None,
@@ -228,7 +252,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         found["bound"] = max(found["bound"], bound)
         drops = _drops(graph, rm, sol.x) if integral and sol.x is not None else None
         if drops is not None:
-            sched = fit(graph, drops, budget)
+            sched = _fitted(graph, drops, budget)
             if sched is not None:
                 cost = entry["plan_extra_cost"] = simulate(graph, sched).extra_cost
                 if cost < found["cost"]:
@@ -300,8 +324,17 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             return PeakRowsResult(math.inf, None, math.inf, details)
         if done():
             return result()
-    per_run = _row_per_run(rows, {w.step: b for b, w in single})
-    if len(per_run) > 1 and run(per_run, True) is None:
+    lp_bound = {w.step: b for b, w in single}
+    per_run = _row_per_run(rows, lp_bound)
+    rm = rows_model(graph, per_run, readers) if len(per_run) > 1 else None
+    if rm is not None and rm.model.num_vars > MULTI_MAX_VARIABLES:
+        over = f"{len(per_run)} runs: {rm.model.num_vars} variables > {MULTI_MAX_VARIABLES}"
+        while rm is not None and rm.model.num_vars > MULTI_MAX_VARIABLES:
+            per_run = sorted(per_run, key=lambda w: (lp_bound.get(w.step, -1.0), w.excess))[1:]
+            per_run.sort(key=lambda w: w.step)
+            rm = rows_model(graph, per_run, readers) if len(per_run) > 1 else None
+        details["runs_left_out"] = f"{over}: {len(per_run) if rm is not None else 'none'} solved together"
+    if rm is not None and run(per_run, True, rm) is None:
         return PeakRowsResult(math.inf, None, math.inf, details)
     return result()
 
@@ -317,7 +350,7 @@ def lowest_peak_by_rows(graph: TrainingGraph, probes: int = 10) -> tuple[list[st
     """A low-peak schedule without the whole step's relaxation, and the proven floor of
     `peak_floor`: the floor itself, then bisection between it and keep-all's peak (to within
     0.1%), each probe budget tried by guided.fit from nothing (the cheapest values per byte
-    dropped at each step over it)."""
+    dropped at each step over it, by either price: `_fitted`)."""
     floor = peak_floor(graph)
     best = keep_all_schedule(graph)
     lo, hi = floor - 1, simulate(graph, best).peak_bytes
@@ -325,7 +358,7 @@ def lowest_peak_by_rows(graph: TrainingGraph, probes: int = 10) -> tuple[list[st
         if hi - lo <= max(1, hi // 1000):
             break
         mid = floor if probe == 0 else (lo + hi) // 2  # the floor first: often it fits
-        sched = fit(graph, [set() for _ in graph.nodes], mid)
+        sched = _fitted(graph, [set() for _ in graph.nodes], mid)
         if sched is None:
             lo = mid
         else:
