@@ -12,7 +12,7 @@ plain tensor attribute, made a buffer here as remat's TraceError says), Blenderb
 Data2Vec-Vision, LED (Longformer's encoder-decoder, added later: planned block by block, its blocks
 traced twice, which a fake-tensor cache had made differ), and later still a 2-layer LSTM with dropout
 between its layers (which the traced step had dropped) and Llama checkpointing its own layers
-(gradient_checkpointing_enable, use_reentrant=False): small configs (width 64, 2-3 layers,
+(gradient_checkpointing_enable, use_reentrant=False), then a bidirectional GRU: small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -48,6 +48,21 @@ class LSTMLanguageModel(torch.nn.Module):
         self.emb = torch.nn.Embedding(V, W)
         self.rnn = torch.nn.LSTM(W, W, num_layers=2, batch_first=True, dropout=0.1)
         self.head = torch.nn.Linear(W, V)
+
+    def forward(self, input_ids, labels):
+        h, _ = self.rnn(self.emb(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())}
+
+
+class GRUTagger(torch.nn.Module):
+    """One bidirectional GRU layer and a per-token head: over 64 steps, 4,119 nodes (the rows'
+    search had sat in one MILP's root LP for over 20 minutes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, W)
+        self.rnn = torch.nn.GRU(W, W, batch_first=True, bidirectional=True)
+        self.head = torch.nn.Linear(2 * W, V)
 
     def forward(self, input_ids, labels):
         h, _ = self.rnn(self.emb(input_ids))
@@ -135,6 +150,7 @@ def _models() -> dict:
             max_encoder_position_embeddings=S, max_decoder_position_embeddings=S, pad_token_id=1,
             decoder_start_token_id=2)), s2s),
         "lstm": lambda: (LSTMLanguageModel(), dict(input_ids=ids, labels=ids)),
+        "gru": lambda: (GRUTagger(), dict(input_ids=ids, labels=ids)),
         "llama_checkpointed": llama_checkpointed,
     }
 
@@ -145,7 +161,7 @@ def _models() -> dict:
 BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
-          "llama_checkpointed")
+          "llama_checkpointed", "gru")
 
 
 def _loss(out):

@@ -331,7 +331,7 @@ def test_a_recurrence_is_made_to_fit_by_pricing_what_a_drop_recomputes():
     nothing by the cheapest drops per byte of their own cost, it does not fit (each step's gate
     pre-activation looks cheap, but computing it again needs the whole input projection and the
     matmul before it); priced with what they are computed from (`chains`), it does, and the rows'
-    search keeps the cheaper of the two."""
+    search has that plan to choose from (`_fitted`: the plans of both prices that fit)."""
     import torch
 
     import remat
@@ -360,4 +360,24 @@ def test_a_recurrence_is_made_to_fit_by_pricing_what_a_drop_recomputes():
     assert guided.fit(g, empty, budget) is None
     chains = guided.fit(g, empty, budget, chains=True)
     assert chains is not None and simulate(g, chains).peak_bytes <= budget
-    assert _fitted(g, empty, budget) == chains
+    fitted = _fitted(g, empty, budget)
+    assert list(fitted) == [True] and fitted[True][1] == chains
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chains_are_priced_lazily_in_the_order_a_full_sort_gives(seed):
+    """guided._by_chain_cost yields the candidates by chain cost per byte, as sorting them all by it
+    would (ties aside), pricing a chain only when it may come next."""
+    from remat.solver.checkmate import guided
+
+    g = random_dag(40, seed)
+    rng = random.Random(seed)
+    live = {u for u in range(len(g.nodes)) if rng.random() < 0.4}
+    own = [v.cost for v in g.nodes]
+    cands = sorted((u for u in range(len(g.nodes)) if g.nodes[u].recomputable and g.nodes[u].out_bytes > 0),
+                   key=lambda u: own[u] / g.nodes[u].out_bytes)
+    price = {u: guided.chain_cost(g, u, live) / g.nodes[u].out_bytes for u in cands}
+    lazy = list(guided._by_chain_cost(g, cands, live, own))
+    assert sorted(lazy) == sorted(cands)
+    assert [price[u] for u in lazy] == sorted(price.values())
+    assert any(price[u] > own[u] / g.nodes[u].out_bytes for u in cands)  # the chains do change the order

@@ -11,6 +11,8 @@ refines the cheapest plans (solver/refine.py) and keeps the best.
 """
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from remat.core.training_graph import TrainingGraph
@@ -195,9 +197,10 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
             excess = sim.timeline[s] - budget - chosen.get(row, 0)
             if excess > 0:
                 busy = inputs[v] | {v}
-                price = (lambda u: chain_cost(graph, u, live)) if chains else own.__getitem__
                 cands = sorted((u for u in live if nodes[u].recomputable and u not in drops[row] and u not in busy
-                                and nodes[u].out_bytes > 0), key=lambda u: price(u) / nodes[u].out_bytes)
+                                and nodes[u].out_bytes > 0), key=lambda u: own[u] / nodes[u].out_bytes)
+                if chains:
+                    cands = _by_chain_cost(graph, cands, live, own)
                 for u in cands:  # the cheapest per byte, until their bytes cover the excess
                     drops[row].add(u)
                     chosen[row] = chosen.get(row, 0) + nodes[u].out_bytes
@@ -211,6 +214,21 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
         if not grew:
             return None
     return None
+
+
+def _by_chain_cost(graph: TrainingGraph, cands: list[int], live: set[int], own: list[float]):
+    """`cands` (in order of own cost per byte) in order of chain_cost per byte, each chain priced
+    only when it may come next: a chain costs at least its value's own cost, so one is due once
+    the cheapest chain priced costs less per byte than the next value's own cost."""
+    nodes = graph.nodes
+    heap: list[tuple[float, int]] = []
+    i = 0
+    while i < len(cands) or heap:
+        while i < len(cands) and (not heap or own[cands[i]] / nodes[cands[i]].out_bytes < heap[0][0]):
+            u = cands[i]
+            heapq.heappush(heap, (chain_cost(graph, u, live) / nodes[u].out_bytes, u))
+            i += 1
+        yield heapq.heappop(heap)[1]
 
 
 CHAIN_MAX_NODES = 64  # values one chain_cost visits, at most (a work limit: a recurrence's chain is its whole past)

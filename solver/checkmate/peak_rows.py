@@ -8,8 +8,8 @@ LP bound, then the MILP of one row per run of consecutive over-budget steps toge
 
 A plan: a row MILP's solution read as drops (before each row, every node it computes again after
 the row and every item it does not hold forgotten, each computed again where it is next read:
-guided.py's schedule_from_live), made to fit at the other steps (guided.fit) and refined
-(refine.drop_recomputations). Where one row decides the plan, as a language model's loss head
+guided.py's schedule_from_live), made to fit at the other steps (guided.fit, pricing a drop by its
+own cost and by its recomputation chain's: `_fitted`) and refined (refine.drop_recomputations). Where one row decides the plan, as a language model's loss head
 does, that plan often costs the row's bound; where a few stretches of the step bind, the rows of
 those stretches together do that (LeViT, SwinV2, RegNet at half their activation memory): a proof
 of optimality from a model of a few thousand variables. `peak_floor` is what every schedule holds
@@ -35,8 +35,8 @@ from remat.solver.schedule import keep_all_schedule
 
 __all__ = ["PeakRowsResult", "peak_rows_search", "MAX_ROWS", "SINGLE_MILPS", "MULTI_MAX_ROWS", "GENERATION_ROUNDS",
            "GENERATION_NEW_ROWS", "GENERATION_MAX_ITERATIONS", "GENERATION_MAX_VARIABLES",
-           "GENERATION_PLAN_MAX_VARIABLES", "MULTI_MAX_VARIABLES", "PLAN_SOLUTIONS", "PLAN_MAX_NODES", "ROWS_MAX_NODES", "MILP_SAFETY",
-           "peak_floor", "lowest_peak_by_rows"]
+           "GENERATION_PLAN_MAX_VARIABLES", "MULTI_MAX_VARIABLES", "PLAN_SOLUTIONS", "PLAN_MAX_NODES",
+           "ROWS_MAX_NODES", "MILP_SAFETY", "peak_floor", "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
 MILP_SAFETY = 5e-7  # relative margin taken off a MILP's dual bound (HiGHS's tolerances); the bound never exceeds the rows' own plan either
@@ -167,23 +167,21 @@ def _rows_it_misses(graph: TrainingGraph, drops: list[set[int]], modelled: set[i
     return [by_step[t] for t in sorted(excess, key=lambda t: (-excess[t], t))[:GENERATION_NEW_ROWS]]
 
 
-def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> list[str] | None:
-    """The drops made to fit by guided.fit with each of its two prices of a drop (a value's own
-    cost per byte, and with the values it is computed from that are not live: `chains`), the
-    cheaper schedule; None where neither fits. The own cost alone misleads on recurrences: a
+def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> dict[bool, tuple[float, list[str]]]:
+    """The drops made to fit by guided.fit with each of its two prices of a drop, a value's own
+    cost per byte and with the values it is computed from that are not live (`chains`): chains ->
+    (extra cost, schedule) for each that fits. The own cost alone misleads on recurrences: a
     bidirectional GRU's gate pre-activation (4 KB a step) is as cheap per byte as the input
     projection it reads (196 KB, 1.2M FLOPs), whose recomputation needs the 4.7M FLOP matmul
     before it; dropped for one step, it is computed again for each step's read. At half its
     activation memory (64 steps) the rows' plans cost 519-1189% extra that way, 11-81% priced
-    by chains (143.7% -> 10.4% after refinement); a 2-layer LSTM's 5.3% -> 2.9% (its bound 2.8%)."""
-    best = None
+    by chains (143.7% -> 10.4% after refinement); a 2-layer LSTM without dropout 5.3% -> 2.9% (its rows bound 2.4%)."""
+    out = {}
     for chains in (False, True):
         sched = fit(graph, drops, budget, chains=chains)
         if sched is not None:
-            cost = simulate(graph, sched).extra_cost
-            if best is None or cost < best[0]:
-                best = (cost, sched)
-    return None if best is None else best[1]
+            out[chains] = (simulate(graph, sched).extra_cost, sched)
+    return out
 
 
 def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = math.inf,
@@ -217,6 +215,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             return PeakRowsResult(math.inf, None, math.inf, details)
     readers = part_readers(graph)
     found = {"bound": 0.0, "schedule": None, "cost": math.inf}
+    cheapest = {False: (math.inf, None), True: (math.inf, None)}  # the cheapest plan fitted by each price
     solves: list = []
     details["solves"] = solves
 
@@ -252,11 +251,12 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         found["bound"] = max(found["bound"], bound)
         drops = _drops(graph, rm, sol.x) if integral and sol.x is not None else None
         if drops is not None:
-            sched = _fitted(graph, drops, budget)
-            if sched is not None:
-                cost = entry["plan_extra_cost"] = simulate(graph, sched).extra_cost
+            for chains, (cost, sched) in _fitted(graph, drops, budget).items():
+                entry["plan_extra_cost"] = min(cost, entry.get("plan_extra_cost", math.inf))
                 if cost < found["cost"]:
                     found.update(schedule=sched, cost=cost)
+                if cost < cheapest[chains][0]:
+                    cheapest[chains] = (cost, sched)
         total = max(graph.total_cost, 1e-12)
         facts = {"rows": f"{len(rows)} over", "bound": f"{100 * found['bound'] / total:.3f}%"}
         best = min(found["cost"], incumbent)
@@ -273,12 +273,17 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
                 or time_limit_s is not None and left() <= 0.1)
 
     def result() -> PeakRowsResult:
-        # only the cheapest plan is refined (refining is most of the search's time), and only when
-        # the bound leaves room for it to get cheaper
-        sched = found["schedule"]
-        if sched is not None and found["cost"] - found["bound"] > mip_gap * found["cost"] + 1e-12:
-            sched = drop_recomputations(graph, sched, budget)
-            found.update(schedule=sched, cost=simulate(graph, sched).extra_cost)
+        # only the cheapest plan of each price of a drop is refined (refining is most of the search's
+        # time), and only when the bound leaves room for it to get cheaper. Both: refined, the cheaper
+        # before is not always the cheaper after (DeepSeek-V3 at half its activation memory: 4.566%
+        # by chains and 5.468% by its own cost, 3.891% refined from the latter)
+        if found["schedule"] is not None and found["cost"] - found["bound"] > mip_gap * found["cost"] + 1e-12:
+            for _, sched in (cheapest[False], cheapest[True]):
+                if sched is not None:
+                    sched = drop_recomputations(graph, sched, budget)
+                    cost = simulate(graph, sched).extra_cost
+                    if cost < found["cost"]:
+                        found.update(schedule=sched, cost=cost)
         # a bound over the plan found: the tolerances', or a plan outside the bound's scope (a
         # value read by the backward alone, dropped before any row, is computed first where it is
         # read: random_dag(20, 2) at 399 bytes, plan 3.0 under the rows' 5.0)
@@ -350,7 +355,7 @@ def lowest_peak_by_rows(graph: TrainingGraph, probes: int = 10) -> tuple[list[st
     """A low-peak schedule without the whole step's relaxation, and the proven floor of
     `peak_floor`: the floor itself, then bisection between it and keep-all's peak (to within
     0.1%), each probe budget tried by guided.fit from nothing (the cheapest values per byte
-    dropped at each step over it, by either price: `_fitted`)."""
+    dropped at each step over it)."""
     floor = peak_floor(graph)
     best = keep_all_schedule(graph)
     lo, hi = floor - 1, simulate(graph, best).peak_bytes
@@ -358,7 +363,9 @@ def lowest_peak_by_rows(graph: TrainingGraph, probes: int = 10) -> tuple[list[st
         if hi - lo <= max(1, hi // 1000):
             break
         mid = floor if probe == 0 else (lo + hi) // 2  # the floor first: often it fits
-        sched = _fitted(graph, [set() for _ in graph.nodes], mid)
+        # by its own cost per byte only: by chains too where that does not fit, the 2-layer LSTM with
+        # dropout found a peak 8% lower, in 292 s instead of 145 s
+        sched = fit(graph, [set() for _ in graph.nodes], mid)
         if sched is None:
             lo = mid
         else:
