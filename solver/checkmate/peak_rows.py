@@ -9,12 +9,13 @@ LP bound, then the MILP of one row per run of consecutive over-budget steps toge
 A plan: a row MILP's solution read as drops (before each row, every node it computes again after
 the row and every item it does not hold forgotten, each computed again where it is next read:
 guided.py's schedule_from_live), made to fit at the other steps (guided.fit, pricing a drop by its
-own cost and by its recomputation chain's: `_fitted`) and refined (refine.drop_recomputations). Where one row decides the plan, as a language model's loss head
-does, that plan often costs the row's bound; where a few stretches of the step bind, the rows of
-those stretches together do that (LeViT, SwinV2, RegNet at half their activation memory): a proof
-of optimality from a model of a few thousand variables. `peak_floor` is what every schedule holds
-at its worst step (a lower bound on any peak); `lowest_peak_by_rows` searches down to it with
-guided.fit, for graphs too large for the relaxation.
+own cost and by its recomputation chain's: `_fitted`) and refined (refine.drop_recomputations).
+Where one row decides the plan, as a language model's loss head does, that plan often costs the
+row's bound; where a few stretches of the step bind, the rows of those stretches together do that
+(LeViT, SwinV2, RegNet at half their activation memory): a proof of optimality from a model of a
+few thousand variables. `peak_floor` is what every schedule holds at its worst step (a lower bound
+on any peak); `lowest_peak_by_rows` searches down to it with guided.fit, for graphs too large for
+the relaxation.
 """
 from __future__ import annotations
 
@@ -175,7 +176,8 @@ def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> dict[bo
     projection it reads (196 KB, 1.2M FLOPs), whose recomputation needs the 4.7M FLOP matmul
     before it; dropped for one step, it is computed again for each step's read. At half its
     activation memory (64 steps) the rows' plans cost 519-1189% extra that way, 11-81% priced
-    by chains (143.7% -> 10.4% after refinement); a 2-layer LSTM without dropout 5.3% -> 2.9% (its rows bound 2.4%)."""
+    by chains (143.7% -> 10.4% after refinement); a 2-layer LSTM without dropout 5.3% -> 2.9%
+    (its rows' bound 2.4%)."""
     out = {}
     for chains in (False, True):
         sched = fit(graph, drops, budget, chains=chains)
