@@ -108,6 +108,12 @@ class TrainingGraph:
         return tuple(tuple(self.index[i] for i in n.inputs) for n in self.nodes)
 
     @cached_property
+    def recomputable_flags(self) -> tuple[bool, ...]:
+        """Each node's `recomputable`, by index (a property each read: the plans' repairs read it per
+        candidate and step)."""
+        return tuple(n.recomputable for n in self.nodes)
+
+    @cached_property
     def edges(self) -> tuple[tuple[str, str], ...]:
         return tuple((i, n.name) for n in self.nodes for i in n.inputs)
 

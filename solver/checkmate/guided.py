@@ -180,6 +180,7 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
     nodes, idx = graph.nodes, graph.index
     inputs = [set(ins) for ins in graph.input_indices]
     own = [v.cost for v in nodes]
+    recomputable = graph.recomputable_flags
     drops = [set(d) for d in drops]
     for _ in range(max_rounds):
         sched = schedule_from_live(graph, drops, prune=False, before=before, sticky=sticky)
@@ -197,7 +198,7 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
             excess = sim.timeline[s] - budget - chosen.get(row, 0)
             if excess > 0:
                 busy = inputs[v] | {v}
-                cands = sorted((u for u in live if nodes[u].recomputable and u not in drops[row] and u not in busy
+                cands = sorted((u for u in live if recomputable[u] and u not in drops[row] and u not in busy
                                 and nodes[u].out_bytes > 0), key=lambda u: own[u] / nodes[u].out_bytes)
                 if chains:
                     cands = _by_chain_cost(graph, cands, live, own)
@@ -238,13 +239,13 @@ def chain_cost(graph: TrainingGraph, u: int, live: set[int]) -> float:
     """What computing value u again costs where the values in `live` are held: its cost and that
     of every value it is computed from that is neither live nor kept (recomputable), each once,
     visiting at most CHAIN_MAX_NODES values."""
-    nodes, inputs = graph.nodes, graph.input_indices
+    nodes, inputs, recomputable = graph.nodes, graph.input_indices, graph.recomputable_flags
     seen, stack, total = {u}, [u], 0.0
     while stack and len(seen) <= CHAIN_MAX_NODES:
         w = stack.pop()
         total += nodes[w].cost
         for i in inputs[w]:
-            if i not in seen and i not in live and nodes[i].recomputable:
+            if i not in seen and i not in live and recomputable[i]:
                 seen.add(i)
                 stack.append(i)
     return total

@@ -280,8 +280,9 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         # before is not always the cheaper after (DeepSeek-V3 at half its activation memory: 4.566%
         # by chains and 5.468% by its own cost, 3.891% refined from the latter)
         if found["schedule"] is not None and found["cost"] - found["bound"] > mip_gap * found["cost"] + 1e-12:
-            for _, sched in (cheapest[False], cheapest[True]):
-                if sched is not None:
+            own_plan = cheapest[False][1]
+            for chains, (_, sched) in cheapest.items():
+                if sched is not None and not (chains and sched == own_plan):  # the same plan: refined once
                     sched = drop_recomputations(graph, sched, budget)
                     cost = simulate(graph, sched).extra_cost
                     if cost < found["cost"]:
