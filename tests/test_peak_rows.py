@@ -381,3 +381,54 @@ def test_chains_are_priced_lazily_in_the_order_a_full_sort_gives(seed):
     assert sorted(lazy) == sorted(cands)
     assert [price[u] for u in lazy] == sorted(price.values())
     assert any(price[u] > own[u] / g.nodes[u].out_bytes for u in cands)  # the chains do change the order
+
+
+@pytest.mark.parametrize("all_plans", [True, False])
+def test_every_plan_made_to_fit_is_exchanged_and_refined_on_graphs_up_to_the_limit(all_plans, monkeypatch):
+    """On graphs up to ALL_PLANS_MAX_NODES every distinct plan the rows' MILPs gave, made to fit, is
+    improved by the exchange search and refined, and the search ends with the cheapest of them (the
+    cheapest before is not always the cheapest after: mT5); above it, only the cheapest plan of each
+    price is refined, without the exchange search."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+    from remat.solver.checkmate.exchange import evaluations
+    from remat.solver.checkmate.guided import schedule_from_live
+    from remat.solver.refine import drop_recomputations
+
+    g = training_chain(12, 2)
+    budget = 85
+    if not all_plans:
+        monkeypatch.setattr(peak_rows, "ALL_PLANS_MAX_NODES", len(g.nodes) - 1)
+    fitted, exchanged, refined = {}, [], []
+    real_fitted, real_exchange, real_refine = peak_rows._fitted, peak_rows.exchange, peak_rows.drop_recomputations
+
+    def spy_fitted(graph, drops, b):
+        out = real_fitted(graph, drops, b)
+        for chains, (cost, sched, fit_drops) in out.items():
+            fitted.setdefault(tuple(sched), (cost, fit_drops, set()))[2].add(chains)
+        return out
+
+    def spy_exchange(*a, **kw):
+        exchanged.append(1)
+        return real_exchange(*a, **kw)
+
+    def spy_refine(graph, sched, b):
+        refined.append(tuple(sched))
+        return real_refine(graph, sched, b)
+
+    monkeypatch.setattr(peak_rows, "_fitted", spy_fitted)
+    monkeypatch.setattr(peak_rows, "exchange", spy_exchange)
+    monkeypatch.setattr(peak_rows, "drop_recomputations", spy_refine)
+    res = peak_rows_search(g, budget, mip_gap=1e-4)
+    assert len(fitted) >= 3 and res.schedule is not None and simulate(g, res.schedule).peak_bytes <= budget
+    limit = max(1, evaluations(g) // peak_rows.PLAN_EXCHANGE_SHARE)
+    if all_plans:
+        assert len(exchanged) == len(refined) == len(fitted)
+        costs = []
+        for cost, fit_drops, _ in fitted.values():
+            _, sched = real_exchange(g, fit_drops, budget, lambda d: schedule_from_live(g, d), max_evaluations=limit)
+            costs.append(simulate(g, real_refine(g, sched, budget)).extra_cost)
+        assert res.extra_cost == min(costs + [c for c, _, _ in fitted.values()])
+    else:
+        cheapest = {min((k for k, v in fitted.items() if price in v[2]), key=lambda k: fitted[k][0])
+                    for price in (False, True) if any(price in v[2] for v in fitted.values())}
+        assert not exchanged and set(refined) == cheapest

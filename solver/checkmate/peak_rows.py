@@ -9,7 +9,8 @@ LP bound, then the MILP of one row per run of consecutive over-budget steps toge
 A plan: a row MILP's solution read as drops (before each row, every node it computes again after
 the row and every item it does not hold forgotten, each computed again where it is next read:
 guided.py's schedule_from_live), made to fit at the other steps (guided.fit, pricing a drop by its
-own cost and by its recomputation chain's: `_fitted`) and refined (refine.drop_recomputations).
+own cost and by its recomputation chain's: `_fitted`), improved by the exchange search
+(solver/checkmate/exchange.py) and refined (refine.drop_recomputations).
 Where one row decides the plan, as a language model's loss head does, that plan often costs the
 row's bound; where a few stretches of the step bind, the rows of those stretches together do that
 (LeViT, SwinV2, RegNet at half their activation memory): a proof of optimality from a model of a
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from remat.core.progress import stage
 from remat.core.simulator import simulate
 from remat.core.training_graph import TrainingGraph
+from remat.solver.checkmate.exchange import evaluations, exchange
 from remat.solver.checkmate.guided import fit, schedule_from_live
 from remat.solver.checkmate.relaxation import SAFETY
 from remat.solver.checkmate.row_models import (Row, RowsModel, keep_all_steps, over_budget_rows, part_readers,
@@ -37,7 +39,7 @@ from remat.solver.schedule import keep_all_schedule
 __all__ = ["PeakRowsResult", "peak_rows_search", "MAX_ROWS", "SINGLE_MILPS", "MULTI_MAX_ROWS", "GENERATION_ROUNDS",
            "GENERATION_NEW_ROWS", "GENERATION_MAX_ITERATIONS", "GENERATION_MAX_VARIABLES",
            "GENERATION_PLAN_MAX_VARIABLES", "MULTI_MAX_VARIABLES", "PLAN_SOLUTIONS", "PLAN_MAX_NODES",
-           "ROWS_MAX_NODES", "MILP_SAFETY", "peak_floor", "lowest_peak_by_rows"]
+           "ROWS_MAX_NODES", "MILP_SAFETY", "PLAN_EXCHANGE_SHARE", "ALL_PLANS_MAX_NODES", "peak_floor", "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
 MILP_SAFETY = 5e-7  # relative margin taken off a MILP's dual bound (HiGHS's tolerances); the bound never exceeds the rows' own plan either
@@ -87,6 +89,19 @@ PLAN_SOLUTIONS = 1
 PLAN_MAX_NODES = 20
 # branch-and-bound nodes of a rows' MILP (a work limit: the plan must not depend on the machine's load)
 ROWS_MAX_NODES = 2000
+# Every distinct plan made to fit (each MILP's, by each price) is improved by the exchange search
+# before it is refined, each with this share of that search's usual limit (exchange.evaluations: a
+# search's six plans, three MILPs by two prices, cost twice one search). The cheapest before is
+# seldom the cheapest after: mT5 at half its activation memory, its three MILPs' plans by chains
+# 6.195%, 6.549%, 6.634% extra, refined 5.988%, 6.184%, 6.026%; exchanged, then refined, the last
+# 5.972% (gap 5.1% -> 4.8%); the full limit on each plan found no cheaper one there. Also
+# MobileNetV2 2.510% -> 2.490%, MobileViT 2.153% -> 2.143%, MarianMT 8.735% -> 8.662%, Mamba2
+# 5.035% -> 4.982% (half their activation memory); ~0.5 s on mT5 (842 nodes)
+PLAN_EXCHANGE_SHARE = 3
+# ... on graphs up to this many nodes; above it, only the cheapest plan of each price is refined, as
+# each refinement takes seconds there (a bidirectional GRU over 64 steps, 4,119 nodes: 75 -> 99 s
+# with every plan exchanged and refined, the same plan)
+ALL_PLANS_MAX_NODES = 1000
 
 
 @dataclass
@@ -168,10 +183,10 @@ def _rows_it_misses(graph: TrainingGraph, drops: list[set[int]], modelled: set[i
     return [by_step[t] for t in sorted(excess, key=lambda t: (-excess[t], t))[:GENERATION_NEW_ROWS]]
 
 
-def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> dict[bool, tuple[float, list[str]]]:
+def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> dict[bool, tuple[float, list[str], list]]:
     """The drops made to fit by guided.fit with each of its two prices of a drop, a value's own
     cost per byte and with the values it is computed from that are not live (`chains`): chains ->
-    (extra cost, schedule) for each that fits. The own cost alone misleads on recurrences: a
+    (extra cost, schedule, the drops that fit) for each that fits. The own cost alone misleads on recurrences: a
     bidirectional GRU's gate pre-activation (4 KB a step) is as cheap per byte as the input
     projection it reads (196 KB, 1.2M FLOPs), whose recomputation needs the 4.7M FLOP matmul
     before it; dropped for one step, it is computed again for each step's read. At half its
@@ -180,9 +195,9 @@ def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> dict[bo
     (its rows' bound 2.4%)."""
     out = {}
     for chains in (False, True):
-        sched = fit(graph, drops, budget, chains=chains)
-        if sched is not None:
-            out[chains] = (simulate(graph, sched).extra_cost, sched)
+        got = fit(graph, drops, budget, chains=chains, with_drops=True)
+        if got is not None:
+            out[chains] = (simulate(graph, got[1]).extra_cost, got[1], got[0])
     return out
 
 
@@ -217,7 +232,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             return PeakRowsResult(math.inf, None, math.inf, details)
     readers = part_readers(graph)
     found = {"bound": 0.0, "schedule": None, "cost": math.inf}
-    cheapest = {False: (math.inf, None), True: (math.inf, None)}  # the cheapest plan fitted by each price
+    fitted: dict[tuple, tuple[float, list]] = {}  # every distinct plan made to fit: schedule -> (extra cost, drops)
+    cheapest: dict[bool, tuple] = {}  # the cheapest plan fitted by each price: chains -> (extra cost, schedule)
     solves: list = []
     details["solves"] = solves
 
@@ -253,12 +269,13 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         found["bound"] = max(found["bound"], bound)
         drops = _drops(graph, rm, sol.x) if integral and sol.x is not None else None
         if drops is not None:
-            for chains, (cost, sched) in _fitted(graph, drops, budget).items():
+            for chains, (cost, sched, fit_drops) in _fitted(graph, drops, budget).items():
                 entry["plan_extra_cost"] = min(cost, entry.get("plan_extra_cost", math.inf))
                 if cost < found["cost"]:
                     found.update(schedule=sched, cost=cost)
-                if cost < cheapest[chains][0]:
-                    cheapest[chains] = (cost, sched)
+                fitted.setdefault(tuple(sched), (cost, fit_drops))
+                if cost < cheapest.get(chains, (math.inf,))[0]:
+                    cheapest[chains] = (cost, tuple(sched))
         total = max(graph.total_cost, 1e-12)
         facts = {"rows": f"{len(rows)} over", "bound": f"{100 * found['bound'] / total:.3f}%"}
         best = min(found["cost"], incumbent)
@@ -275,18 +292,22 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
                 or time_limit_s is not None and left() <= 0.1)
 
     def result() -> PeakRowsResult:
-        # only the cheapest plan of each price of a drop is refined (refining is most of the search's
-        # time), and only when the bound leaves room for it to get cheaper. Both: refined, the cheaper
-        # before is not always the cheaper after (DeepSeek-V3 at half its activation memory: 4.566%
-        # by chains and 5.468% by its own cost, 3.891% refined from the latter)
+        # each plan improved and refined (PLAN_EXCHANGE_SHARE, ALL_PLANS_MAX_NODES), only when the
+        # bound leaves room for one to get cheaper
         if found["schedule"] is not None and found["cost"] - found["bound"] > mip_gap * found["cost"] + 1e-12:
-            own_plan = cheapest[False][1]
-            for chains, (_, sched) in cheapest.items():
-                if sched is not None and not (chains and sched == own_plan):  # the same plan: refined once
-                    sched = drop_recomputations(graph, sched, budget)
-                    cost = simulate(graph, sched).extra_cost
-                    if cost < found["cost"]:
-                        found.update(schedule=sched, cost=cost)
+            small = len(graph.nodes) <= ALL_PLANS_MAX_NODES
+            keys = (sorted(fitted, key=lambda k: fitted[k][0]) if small
+                    else list(dict.fromkeys(cheapest[c][1] for c in (False, True) if c in cheapest)))
+            limit = max(1, evaluations(graph) // PLAN_EXCHANGE_SHARE)
+            for key in keys:
+                sched = list(key)
+                if small:
+                    _, sched = exchange(graph, fitted[key][1], budget, lambda d: schedule_from_live(graph, d),
+                                        max_evaluations=limit)
+                sched = drop_recomputations(graph, sched, budget)
+                cost = simulate(graph, sched).extra_cost
+                if cost < found["cost"]:
+                    found.update(schedule=sched, cost=cost)
         # a bound over the plan found: the tolerances', or a plan outside the bound's scope (a
         # value read by the backward alone, dropped before any row, is computed first where it is
         # read: random_dag(20, 2) at 399 bytes, plan 3.0 under the rows' 5.0)
