@@ -40,7 +40,11 @@ the step is planned with the model's own head first; where that plan recomputes 
 log-softmax of at least HEAD_SHARE (1%) of the budget (nothing a chunked head could save is worth a
 second trace); otherwise (a plan that recomputes, or no plan that fits) the step is traced again
 with the chunked head and planned too, and the plan that fits with the lower total cost (the
-graph's cost plus its recomputations) is kept. A later call traces the head the last call's plan
+graph's cost plus its recomputations) is kept. Where the model's head has a plan that fits, the
+chunked head's graph is solved only if the rows' bound (solver/checkmate/peak_rows.py) leaves it
+room to cost less in all; otherwise it is dropped after that bound (HF Mamba and Funnel of
+benchmarks/unseen_models.py at half their activation memory: the chunked head's bound is over what
+it could cost and win; remat.optimize 25 -> 16 s and 23 -> 17 s, the same plans). A later call traces the head the last call's plan
 took first; where that call's schedule serves (3. above), the other head is not traced. The plan
 records its head (`details["loss_head"]`, and its context), and a saved plan is deployed on the
 head it was made for (deployment.py refuses one whose head `chunked_loss` excludes).
@@ -147,6 +151,19 @@ def _head_worth_tracing(graph: TrainingGraph, budget: int) -> bool:
     (HEAD_SHARE of the budget) for the chunked head to be worth a second trace."""
     sizes = [n.out_bytes for n in graph.nodes if not n.is_backward and n.op.startswith("_log_softmax")]
     return bool(sizes) and max(sizes) >= HEAD_SHARE * budget
+
+
+class _NotCheaper(Exception):
+    """The chunked head's graph cannot cost less in all than the model's head's plan (`_may_cost_less`)."""
+
+
+def _may_cost_less(graph: TrainingGraph, budget: int, total: float) -> bool:
+    """Whether a plan of `graph` under `budget` may cost less than `total` (the graph's cost plus its
+    recomputations): the rows' proven bound on its recomputations leaves room for that."""
+    from remat.solver.checkmate.peak_rows import peak_rows_search
+
+    room = total - graph.total_cost
+    return room > 0 and peak_rows_search(graph, budget, incumbent=room).bound < room
 
 
 def has_chunked_head(graph: TrainingGraph) -> bool:
@@ -299,22 +316,24 @@ class StepPlanner:
         traced: dict[bool, TrainingGraph] = {}  # each head's graph, planned or not
         tried: dict[bool, PlannedStep | None] = {}  # each head's step at this budget (None: none fits)
 
-        def step(chunked: bool, search: bool = True) -> PlannedStep:
+        def step(chunked: bool, search: bool = True, to_beat: float | None = None) -> PlannedStep:
             choose = self.choose(model, args, kwargs, known=None, others=others, budget=budget,
                                  smallest_on_failure=search)
 
             def recording(graph: TrainingGraph) -> tuple[Plan, str]:
                 traced[chunked] = graph
+                if to_beat is not None and not _may_cost_less(graph, limit, to_beat):
+                    raise _NotCheaper
                 return choose(graph)
 
             return planned_step(model, args, kwargs, o, Decision(recording), call, chunked=chunked)
 
-        def fitting(chunked: bool) -> PlannedStep | None:
+        def fitting(chunked: bool, to_beat: float | None = None) -> PlannedStep | None:
             # a budget a head does not fit is not searched below here: the other head may fit
             if chunked not in tried:
                 try:
-                    tried[chunked] = step(chunked, search=False)
-                except InfeasibleBudgetError:
+                    tried[chunked] = step(chunked, search=False, to_beat=to_beat)
+                except (InfeasibleBudgetError, _NotCheaper):
                     tried[chunked] = None
             return tried[chunked]
 
@@ -335,7 +354,7 @@ class StepPlanner:
             return plain  # nothing recomputed: the chunked head could only add its matmul
         if plain is not None and not _head_worth_tracing(traced[False], limit):
             return plain
-        chunked = fitting(True)
+        chunked = fitting(True, to_beat=None if plain is None else plain.plan.total_cost)
         if chunked is not None and not has_chunked_head(chunked.graph):
             chunked = None  # no head the router could take: the same step as the model's
         if plain is None and chunked is None:

@@ -413,6 +413,42 @@ def test_auto_traces_once_where_the_head_is_too_small_to_matter(monkeypatch):
     assert opt.plan.extra_cost > 0 and heads == [False] and opt.plan.details["loss_head"] == "unchunked"
 
 
+def test_the_chunked_head_is_not_solved_where_its_rows_bound_says_it_cannot_cost_less(monkeypatch):
+    """Where the model's head has a plan that fits, the chunked head's graph is traced but solved
+    only if the rows' bound on its recomputations leaves it room to cost less in all; here it does
+    not (a 64-class head over wide layers), and solving it in full confirms it would have lost."""
+    import remat.pipeline as pipeline
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+            self.head = nn.Linear(64, 64)
+
+        def forward(self, x, y):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return F.cross_entropy(self.head(x), y)
+
+    torch.manual_seed(0)
+    model, args = Wide(), (torch.randn(256, 64), torch.randint(0, 64, (256,)))
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    budget = int(0.8 * keep)
+    heads, solved = [], []
+    real_step, real_get = pipeline.planned_step, pipeline.get_solver
+    monkeypatch.setattr(pipeline, "planned_step", lambda *a, chunked=False, **k: heads.append(chunked) or real_step(
+        *a, chunked=chunked, **k))
+    monkeypatch.setattr(pipeline, "get_solver", lambda name: lambda graph, *a, **k: solved.append(
+        has_chunked_head(graph)) or real_get(name)(graph, *a, **k))
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=args, quiet=True)
+    assert heads == [False, True] and solved == [False] and opt.plan.details["loss_head"] == "unchunked"
+    monkeypatch.undo()
+    chunked = remat.capture(model, args, chunked_loss=True, quiet=True)
+    assert has_chunked_head(chunked)
+    full = remat.solve(chunked, budget, quiet=True)
+    assert full.fits and chunked.total_cost + full.extra_cost >= opt.plan.total_cost
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_dh_accumulation_on_cuda_equals_the_upcast_gemm():
     """The backward's dh, accumulated by a 16-bit GEMM adding float32 products in its epilogue,
