@@ -159,7 +159,9 @@ class _NotCheaper(Exception):
 
 def _may_cost_less(graph: TrainingGraph, budget: int, total: float) -> bool:
     """Whether a plan of `graph` under `budget` may cost less than `total` (the graph's cost plus its
-    recomputations): the rows' proven bound on its recomputations leaves room for that."""
+    recomputations): the rows' proven bound on its recomputations leaves room for that (the bound of
+    the schedules in the graph's order, the scope of checkmate's own; Llama-3.2-1B-like, 1,809 nodes:
+    1.1 s)."""
     from remat.solver.checkmate.peak_rows import peak_rows_search
 
     room = total - graph.total_cost
