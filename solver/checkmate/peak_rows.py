@@ -204,7 +204,8 @@ def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> dict[bo
 def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = math.inf,
                      mip_gap: float = 0.0, time_limit_s: float | None = None,
                      more_rows_from: PeakRowsResult | None = None,
-                     incumbent_schedule: list[str] | None = None, rounds_gap: float = 0.0) -> PeakRowsResult:
+                     incumbent_schedule: list[str] | None = None, rounds_gap: float = 0.0,
+                     bound_only: bool = False) -> PeakRowsResult:
     """The rows' bound and plans for `graph` under `budget` (see the module docstring), in stages
     of growing cost, stopping once the best plan (or `incumbent`, a known plan's extra cost) is
     within `mip_gap` of the bound: the LPs of up to MAX_ROWS rows, the MILPs of the SINGLE_MILPS
@@ -212,14 +213,15 @@ def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = ma
     go on from that search's last several rows' MILP, adding the rows its plan misses
     (GENERATION_ROUNDS times at most, until the gap is within `rounds_gap` or `mip_gap`), its MILP
     started from `incumbent_schedule` (the incumbent's plan; HiGHS ignores it where it is not a
-    point of the model)."""
+    point of the model). bound_only: no plans are made (their fitting and refinement are most of the
+    search's time on recurrent graphs), only the bound; it stops once that reaches `incumbent`."""
     with stage(f"checkmate: rows over the budget ({len(graph.nodes)} nodes)", unit="model") as progress:
         return _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from, incumbent_schedule,
-                       rounds_gap)
+                       rounds_gap, bound_only)
 
 
 def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from,
-            incumbent_schedule, rounds_gap) -> PeakRowsResult:
+            incumbent_schedule, rounds_gap, bound_only=False) -> PeakRowsResult:
     t0 = time.perf_counter()
     rows = over_budget_rows(graph, budget)
     details: dict = {"rows_over_budget": len(rows)}
@@ -267,7 +269,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         bound = _bound(sol.bound, rm, graph, margin) if sol.bound is not None and math.isfinite(sol.bound) else 0.0
         entry["bound"] = bound
         found["bound"] = max(found["bound"], bound)
-        drops = _drops(graph, rm, sol.x) if integral and sol.x is not None else None
+        drops = _drops(graph, rm, sol.x) if integral and sol.x is not None and not bound_only else None
         if drops is not None:
             for chains, (cost, sched, fit_drops) in _fitted(graph, drops, budget).items():
                 entry["plan_extra_cost"] = min(cost, entry.get("plan_extra_cost", math.inf))
