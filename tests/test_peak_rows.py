@@ -89,6 +89,35 @@ def test_bound_and_plans_against_brute_force(g):
     assert res.schedule is None
 
 
+@pytest.mark.parametrize("g", [training_chain(6, 1, random_at=(2,)), training_chain(8, 2), training_chain(7, 4)],
+                         ids=lambda g: g.name)
+def test_the_bound_alone_is_a_bound_and_stops_at_the_incumbent(g, monkeypatch):
+    """bound_only: no plan is made (guided.fit never runs), the bound is still under the brute
+    force's optimum and at least the full search's, and with an incumbent its first model's bound
+    reaches, the search stops there."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    lo, _ = brute_force(g, None, objective="peak")
+    hi = simulate(g, keep_all_schedule(g)).peak_bytes
+    checked = 0
+    for budget in sorted({lo, lo + 1, (lo + hi) // 2, hi - 1}):
+        best, _ = brute_force(g, budget)
+        full = peak_rows_search(g, budget)
+        monkeypatch.setattr(peak_rows, "fit", lambda *a, **k: pytest.fail("a plan was made"))
+        alone = peak_rows_search(g, budget, bound_only=True)
+        monkeypatch.undo()
+        assert alone.schedule is None
+        if best is None:
+            continue
+        assert full.bound - 1e-9 <= alone.bound <= best - g.total_cost + 1e-9
+        first = alone.details["solves"][0].get("bound", 0.0)
+        if first > 0 and len(alone.details["solves"]) > 1:
+            early = peak_rows_search(g, budget, incumbent=first, bound_only=True)
+            assert len(early.details["solves"]) == 1 and early.bound == pytest.approx(first)
+            checked += 1
+    assert checked >= 1
+
+
 def test_a_dominant_loss_head_is_proved_optimal_by_its_row():
     # a language model's shape: many layers of cheap, large activations and one huge head at the
     # end of the forward; the budget only bites at the head, so its row decides the plan

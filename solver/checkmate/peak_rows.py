@@ -350,6 +350,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         if out is None:
             return PeakRowsResult(math.inf, None, math.inf, details)
         single.append((out[0], w))
+        if bound_only and done():  # the bound reached the incumbent: nothing more to prove
+            return result()
     for _, w in sorted(single, key=lambda bw: -bw[0])[:SINGLE_MILPS]:
         if run([w], True) is None:
             return PeakRowsResult(math.inf, None, math.inf, details)
