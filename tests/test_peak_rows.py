@@ -421,7 +421,6 @@ def test_every_plan_made_to_fit_is_exchanged_and_refined_on_graphs_up_to_the_lim
     import remat.solver.checkmate.peak_rows as peak_rows
     from remat.solver.checkmate.exchange import evaluations
     from remat.solver.checkmate.guided import schedule_from_live
-    from remat.solver.refine import drop_recomputations
 
     g = training_chain(12, 2)
     budget = 85
