@@ -387,23 +387,27 @@ def test_the_op_refuses_what_it_does_not_take():
         chunked_linear_cross_entropy(h, w, None, t.int())
 
 
+class Wide(nn.Module):
+    """Six wide tanh layers (big activations) under a linear head of `classes` classes and a
+    cross-entropy."""
+
+    def __init__(self, classes: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(self.head(x), y)
+
+
 def test_auto_traces_once_where_the_head_is_too_small_to_matter(monkeypatch):
     """A plan that recomputes but whose log-softmax is under HEAD_SHARE of the budget: no second trace."""
     import remat.pipeline as pipeline
 
-    class Wide(nn.Module):  # big activations, a 3-class head
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
-            self.head = nn.Linear(64, 3)
-
-        def forward(self, x, y):
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return F.cross_entropy(self.head(x), y)
-
     torch.manual_seed(0)
-    model, args = Wide(), (torch.randn(256, 64), torch.randint(0, 3, (256,)))
+    model, args = Wide(3), (torch.randn(256, 64), torch.randint(0, 3, (256,)))
     keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
     heads = []
     real = pipeline.planned_step
@@ -419,19 +423,8 @@ def test_the_chunked_head_is_not_solved_where_its_rows_bound_says_it_cannot_cost
     not (a 64-class head over wide layers), and solving it in full confirms it would have lost."""
     import remat.pipeline as pipeline
 
-    class Wide(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
-            self.head = nn.Linear(64, 64)
-
-        def forward(self, x, y):
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return F.cross_entropy(self.head(x), y)
-
     torch.manual_seed(0)
-    model, args = Wide(), (torch.randn(256, 64), torch.randint(0, 64, (256,)))
+    model, args = Wide(64), (torch.randn(256, 64), torch.randint(0, 64, (256,)))
     keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
     budget = int(0.8 * keep)
     heads, solved = [], []
