@@ -32,22 +32,23 @@ The budget holds at every shape: where no plan fits, InfeasibleBudgetError names
 smallest feasible budget for it.
 
 **The loss head** (`chunked_loss`, remat/loss_head/): a linear head followed by cross-entropy can be
-traced as the chunked op, which keeps no [tokens, vocab] tensor but computes the logits once more
-in the backward. "on" traces it so wherever the router proves it the model's function, "off" never;
+traced as the chunked op, which keeps no [tokens, vocab] tensor but computes the logits once more in
+the backward. "on" traces it so wherever the router proves it the model's function, "off" never;
 "auto" (the default) makes it checkmate's choice (the baselines keep the model's head), per call:
 the step is planned with the model's own head first; where that plan recomputes nothing, it is kept
 (the chunked head would only add its matmul), and so is a fitting plan whose graph has no
 log-softmax of at least HEAD_SHARE (1%) of the budget (nothing a chunked head could save is worth a
 second trace); otherwise (a plan that recomputes, or no plan that fits) the step is traced again
-with the chunked head and planned too, and the plan that fits with the lower total cost (the
-graph's cost plus its recomputations) is kept. Where the model's head has a plan that fits, the
-chunked head's graph is solved only if the rows' bound (solver/checkmate/peak_rows.py) leaves it
-room to cost less in all; otherwise it is dropped after that bound (HF Mamba and Funnel of
+with the chunked head and planned too, and the plan that fits with the lower total cost (the graph's
+cost plus its recomputations) is kept. Where the model's head has a plan that fits, the chunked
+head's graph is solved only if the rows' bound (solver/checkmate/peak_rows.py) leaves it room to
+cost less in all; otherwise it is dropped after that bound (HF Mamba and Funnel of
 benchmarks/unseen_models.py at half their activation memory: the chunked head's bound is over what
-it could cost and win; remat.optimize 25 -> 16 s and 23 -> 17 s, the same plans). A later call traces the head the last call's plan
-took first; where that call's schedule serves (3. above), the other head is not traced. The plan
-records its head (`details["loss_head"]`, and its context), and a saved plan is deployed on the
-head it was made for (deployment.py refuses one whose head `chunked_loss` excludes).
+it could cost and win; remat.optimize 25 -> 16 s and 23 -> 17 s, the same plans). A later call
+traces the head the last call's plan took first; where that call's schedule serves (3. above), the
+other head is not traced. The plan records its head (`details["loss_head"]`, and its context), and a
+saved plan is deployed on the head it was made for (deployment.py refuses one whose head
+`chunked_loss` excludes).
 """
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ from remat.solver.schedule import keep_all_schedule
 __all__ = ["PeakRowsResult", "peak_rows_search", "MAX_ROWS", "SINGLE_MILPS", "MULTI_MAX_ROWS", "GENERATION_ROUNDS",
            "GENERATION_NEW_ROWS", "GENERATION_MAX_ITERATIONS", "GENERATION_MAX_VARIABLES",
            "GENERATION_PLAN_MAX_VARIABLES", "MULTI_MAX_VARIABLES", "PLAN_SOLUTIONS", "PLAN_MAX_NODES",
-           "ROWS_MAX_NODES", "MILP_SAFETY", "PLAN_EXCHANGE_SHARE", "ALL_PLANS_MAX_NODES", "peak_floor", "lowest_peak_by_rows"]
+           "ROWS_MAX_NODES", "MILP_SAFETY", "PLAN_EXCHANGE_SHARE", "ALL_PLANS_MAX_NODES", "peak_floor",
+           "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
 MILP_SAFETY = 5e-7  # relative margin taken off a MILP's dual bound (HiGHS's tolerances); the bound never exceeds the rows' own plan either
@@ -184,15 +185,14 @@ def _rows_it_misses(graph: TrainingGraph, drops: list[set[int]], modelled: set[i
 
 
 def _fitted(graph: TrainingGraph, drops: list[set[int]], budget: int) -> dict[bool, tuple[float, list[str], list]]:
-    """The drops made to fit by guided.fit with each of its two prices of a drop, a value's own
-    cost per byte and with the values it is computed from that are not live (`chains`): chains ->
-    (extra cost, schedule, the drops that fit) for each that fits. The own cost alone misleads on recurrences: a
-    bidirectional GRU's gate pre-activation (4 KB a step) is as cheap per byte as the input
-    projection it reads (196 KB, 1.2M FLOPs), whose recomputation needs the 4.7M FLOP matmul
-    before it; dropped for one step, it is computed again for each step's read. At half its
-    activation memory (64 steps) the rows' plans cost 519-1189% extra that way, 11-81% priced
-    by chains (143.7% -> 10.4% after refinement); a 2-layer LSTM without dropout 5.3% -> 2.9%
-    (its rows' bound 2.4%)."""
+    """The drops made to fit by guided.fit with each of its two prices of a drop, a value's own cost per
+    byte and with the values it is computed from that are not live (`chains`): chains -> (extra cost,
+    schedule, the drops that fit) for each that fits. The own cost alone misleads on recurrences: a
+    bidirectional GRU's gate pre-activation (4 KB a step) is as cheap per byte as the input projection
+    it reads (196 KB, 1.2M FLOPs), whose recomputation needs the 4.7M FLOP matmul before it; dropped for
+    one step, it is computed again for each step's read. At half its activation memory (64 steps) the
+    rows' plans cost 519-1189% extra that way, 11-81% priced by chains (143.7% -> 10.4% after
+    refinement); a 2-layer LSTM without dropout 5.3% -> 2.9% (its rows' bound 2.4%)."""
     out = {}
     for chains in (False, True):
         got = fit(graph, drops, budget, chains=chains, with_drops=True)
