@@ -104,6 +104,7 @@ class _Search:
         """(drops, schedule, sim) of `drops` made to fit by up to ROUNDS more drops (never of
         `kept`), or None."""
         nodes, idx, budget = self.graph.nodes, self.graph.index, self.budget
+        recomputable = self.graph.recomputable_flags
         for _ in range(ROUNDS + 1):
             if self.left <= 0:
                 return None
@@ -114,7 +115,7 @@ class _Search:
             row, live = self._live_at(sched, over)
             v = idx[sched[over]]
             busy = self.inputs[v] | {v, kept}
-            cands = sorted((w for w in live if nodes[w].recomputable and w not in busy and w not in drops[row]
+            cands = sorted((w for w in live if recomputable[w] and w not in busy and w not in drops[row]
                             and nodes[w].out_bytes > 0), key=lambda w: (nodes[w].cost / nodes[w].out_bytes, w))
             excess = sim.timeline[over] - budget
             best = None

@@ -234,8 +234,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             return PeakRowsResult(math.inf, None, math.inf, details)
     readers = part_readers(graph)
     found = {"bound": 0.0, "schedule": None, "cost": math.inf}
-    fitted: dict[tuple, tuple[float, list]] = {}  # every distinct plan made to fit: schedule -> (extra cost, drops)
-    cheapest: dict[bool, tuple] = {}  # the cheapest plan fitted by each price: chains -> (extra cost, schedule)
+    # every distinct plan made to fit: schedule -> (extra cost, drops, the prices that gave it)
+    fitted: dict[tuple, tuple[float, list, set]] = {}
     solves: list = []
     details["solves"] = solves
 
@@ -275,9 +275,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
                 entry["plan_extra_cost"] = min(cost, entry.get("plan_extra_cost", math.inf))
                 if cost < found["cost"]:
                     found.update(schedule=sched, cost=cost)
-                fitted.setdefault(tuple(sched), (cost, fit_drops))
-                if cost < cheapest.get(chains, (math.inf,))[0]:
-                    cheapest[chains] = (cost, tuple(sched))
+                fitted.setdefault(tuple(sched), (cost, fit_drops, set()))[2].add(chains)
         total = max(graph.total_cost, 1e-12)
         facts = {"rows": f"{len(rows)} over", "bound": f"{100 * found['bound'] / total:.3f}%"}
         best = min(found["cost"], incumbent)
@@ -297,9 +295,14 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         # each plan improved and refined (PLAN_EXCHANGE_SHARE, ALL_PLANS_MAX_NODES), only when the
         # bound leaves room for one to get cheaper
         if found["schedule"] is not None and found["cost"] - found["bound"] > mip_gap * found["cost"] + 1e-12:
+            keys = sorted(fitted, key=lambda k: fitted[k][0])  # by cost, ties in the order found
             small = len(graph.nodes) <= ALL_PLANS_MAX_NODES
-            keys = (sorted(fitted, key=lambda k: fitted[k][0]) if small
-                    else list(dict.fromkeys(cheapest[c][1] for c in (False, True) if c in cheapest)))
+            if not small:  # the cheapest of each price (once where both prices gave it)
+                cheapest: dict[bool, tuple] = {}
+                for key in keys:
+                    for chains in fitted[key][2]:
+                        cheapest.setdefault(chains, key)
+                keys = list(dict.fromkeys(cheapest[c] for c in (False, True) if c in cheapest))
             limit = max(1, evaluations(graph) // PLAN_EXCHANGE_SHARE)
             for key in keys:
                 sched = list(key)
