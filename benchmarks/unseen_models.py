@@ -150,7 +150,9 @@ def _models() -> dict:
             max_encoder_position_embeddings=S, max_decoder_position_embeddings=S, pad_token_id=1,
             decoder_start_token_id=2)), s2s),
         "lstm": lambda: (LSTMLanguageModel(), dict(input_ids=ids, labels=ids)),
+        "lstm_short": lambda: (LSTMLanguageModel(), dict(input_ids=ids[:, :8], labels=ids[:, :8])),  # 8 steps
         "gru": lambda: (GRUTagger(), dict(input_ids=ids, labels=ids)),
+        "gru_short": lambda: (GRUTagger(), dict(input_ids=ids[:, :8], labels=ids[:, :8])),  # 8 steps
         "llama_checkpointed": llama_checkpointed,
     }
 
@@ -161,7 +163,7 @@ def _models() -> dict:
 BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
-          "llama_checkpointed", "gru")
+          "llama_checkpointed", "gru", "gru_short", "lstm_short")
 
 
 def _loss(out):

@@ -245,6 +245,58 @@ def test_a_round_over_its_variable_limit_searches_a_plan_below_the_incumbent(n, 
         assert res.bound <= optimum + 1e-9
 
 
+def test_a_milp_with_a_target_stops_at_its_first_solution_at_or_under_it():
+    """HiGHS's objective target: with one above every solution the MILP stops at its first
+    (status "limit", its dual bound still under its optimum); with one under the optimum it is
+    solved in full, as without."""
+    from remat.solver.checkmate.sparse_lp import SparseModel
+
+    rng = random.Random(0)
+    m = SparseModel()
+    xs = [m.var(0, 1, cost=rng.randint(1, 20), integral=True) for _ in range(40)]
+    for _ in range(60):  # a set cover
+        m.row([(j, 1.0) for j in rng.sample(xs, 5)], lo=1)
+    full = m.solve(integral=True, mip_gap=0)
+    assert full.status == "optimal" and full.bound == pytest.approx(full.objective)
+    first = m.solve(integral=True, mip_gap=0, target=1e9)
+    assert first.status == "limit" and first.x is not None and first.bound < full.objective <= first.objective
+    under = m.solve(integral=True, mip_gap=0, target=full.objective - 1)
+    assert under.status == "optimal" and under.objective == pytest.approx(full.objective)
+
+
+@pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
+def test_a_round_stops_at_a_solution_under_the_bound_already_known(n, seed, budget, monkeypatch):
+    """A round's MILP whose bound could not rise above the one already proven (`known_bound`) stops
+    at its first solution at or under it: each round's MILP is given that bound (in its own units)
+    as HiGHS's target; with the brute force's optimum as that bound, the bound the rounds report
+    stays within it and the plan fits, never cheaper than it."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+    from remat.solver.checkmate.sparse_lp import SparseModel
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    targets = []
+    real_solve = SparseModel.solve
+
+    def spy(self, **kw):
+        targets.append(kw.get("target"))
+        return real_solve(self, **kw)
+
+    monkeypatch.setattr(SparseModel, "solve", spy)
+    more = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first,
+                            known_bound=optimum)
+    assert targets and all(t is not None and t > 0 for t in targets)
+    assert more.bound <= optimum + 1e-9
+    if more.schedule is not None:
+        assert simulate(g, more.schedule).peak_bytes <= budget and more.extra_cost >= optimum - 1e-9
+    targets.clear()
+    peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
+    assert targets and targets[0] is None  # nothing known yet (0): the first round has no target
+
+
 @pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
 def test_the_rows_a_plan_misses_are_added_a_row_a_round_until_the_gap_is_within_the_goal(n, seed, budget,
                                                                                          monkeypatch):

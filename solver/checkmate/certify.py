@@ -93,7 +93,8 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
         cost = plan.sim.extra_cost
         left = None if deadline is None else max(0.5, deadline - time.perf_counter())
         more = peak_rows_search(graph, budget_bytes, incumbent=cost, mip_gap=mip_gap, time_limit_s=left,
-                                more_rows_from=rows, incumbent_schedule=plan.schedule, rounds_gap=MORE_ROWS_GAP)
+                                more_rows_from=rows, incumbent_schedule=plan.schedule, rounds_gap=MORE_ROWS_GAP,
+                                known_bound=bound)
         rows.details["more_rows"] = more.details
         if more.schedule is not None and more.extra_cost < cost:
             plans["peak_rows"] = known["peak_rows"] = Refined(more.schedule, simulate(graph, more.schedule))

@@ -95,14 +95,17 @@ class SparseModel:
 
     def highs(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
               mip_gap: float = 1e-6, msg: bool = False, extra_rows: list | None = None,
-              cutoff: float | None = None, max_improving: int | None = None, max_iterations: int | None = None):
+              cutoff: float | None = None, max_improving: int | None = None, max_iterations: int | None = None,
+              target: float | None = None):
         """A HiGHS instance holding the model (the LP relaxation unless integral), single-threaded
         with seed 0. extra_rows: [(columns, lo, hi)] rows with coefficients 1 appended after the
         model's own (the branch-and-bound's class rows). For the MILP: cutoff, HiGHS's objective
         bound (its search prunes what is above it, and status "infeasible" then says only that
         nothing is below it; a solution above it may still come back where presolve solves the model
-        whole); max_improving: it stops after that many improving solutions. max_iterations: a
-        work limit on the LP's simplex iterations (status "limit" when it stops there)."""
+        whole); max_improving: it stops after that many improving solutions; target: it stops at
+        its first solution at or below this objective (HiGHS's objective target; status "limit",
+        with that solution and the dual bound so far). max_iterations: a work limit on the LP's
+        simplex iterations (status "limit" when it stops there)."""
         import highspy
 
         from remat.solver.checkmate.backends import new_highs
@@ -118,6 +121,8 @@ class SparseModel:
             opts["objective_bound"] = float(cutoff)
         if integral and max_improving is not None:
             opts["mip_max_improving_sols"] = int(max_improving)
+        if integral and target is not None:
+            opts["objective_target"] = float(target)
         if max_iterations is not None:
             opts["simplex_iteration_limit"] = int(max_iterations)
         for k, v in opts.items():
@@ -140,13 +145,13 @@ class SparseModel:
     def solve(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
               mip_gap: float = 1e-6, start: np.ndarray | None = None, msg: bool = False,
               cutoff: float | None = None, max_improving: int | None = None,
-              max_iterations: int | None = None) -> Solution:
+              max_iterations: int | None = None, target: float | None = None) -> Solution:
         """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
         start: a feasible point for the MILP to start from (ignored when HiGHS rejects it).
-        cutoff, max_improving, max_iterations: see `highs`."""
+        cutoff, max_improving, max_iterations, target: see `highs`."""
         t0 = time.perf_counter()
         h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg,
-                       cutoff=cutoff, max_improving=max_improving, max_iterations=max_iterations)
+                       cutoff=cutoff, max_improving=max_improving, max_iterations=max_iterations, target=target)
         n = self.num_vars
         if start is not None and integral:
             h.setSolution(n, np.arange(n, dtype=np.int32), np.asarray(start, float))
@@ -228,6 +233,6 @@ def _solution(h, integral: bool, secs: float) -> Solution:
     bound = bound if math.isfinite(bound) else None
     if ms == M.kOptimal:
         return Solution("optimal", obj, bound if bound is not None else obj, x, secs, nodes, iters)
-    if ms in (M.kSolutionLimit, M.kTimeLimit, M.kIterationLimit, M.kInterrupt):
+    if ms in (M.kSolutionLimit, M.kTimeLimit, M.kIterationLimit, M.kInterrupt, M.kObjectiveTarget):
         return Solution("limit", obj, bound, x, secs, nodes, iters)
     return Solution("error", obj, None, x, secs, nodes, iters)
