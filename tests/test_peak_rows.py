@@ -9,6 +9,7 @@ fit, and a budget the rows call infeasible is one the brute force finds nothing 
 """
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -116,6 +117,39 @@ def test_the_bound_alone_is_a_bound_and_stops_at_the_incumbent(g, monkeypatch):
             assert len(early.details["solves"]) == 1 and early.bound == pytest.approx(first)
             checked += 1
     assert checked >= 1
+
+
+@pytest.mark.parametrize("g", GRAPHS, ids=lambda g: g.name)
+def test_the_bound_alone_answers_whether_it_reaches_the_incumbent_as_in_full(g, monkeypatch):
+    """bound_only with an incumbent: each MILP is given the incumbent as its target (a solution
+    under it proves that MILP's bound never reaches it), and whether the bound reaches the incumbent
+    is what the search without an incumbent says, for incumbents under, at and over that bound."""
+    from remat.solver.checkmate.peak_rows import peak_floor
+    from remat.solver.checkmate.sparse_lp import SparseModel
+
+    lo, hi = peak_floor(g), simulate(g, keep_all_schedule(g)).peak_bytes
+    real_solve = SparseModel.solve
+    targets = []
+
+    def spy(self, **kw):
+        if kw.get("integral"):
+            targets.append(kw.get("target"))
+        return real_solve(self, **kw)
+
+    compared = 0
+    for budget in sorted({lo, (lo + hi) // 2, hi - 1}):
+        alone = peak_rows_search(g, budget, bound_only=True)
+        if not math.isfinite(alone.bound) or alone.bound <= 0:
+            continue
+        for incumbent in (alone.bound * 0.5, alone.bound * 0.999, alone.bound * 1.001, alone.bound * 2):
+            targets.clear()
+            with monkeypatch.context() as m:
+                m.setattr(SparseModel, "solve", spy)
+                got = peak_rows_search(g, budget, incumbent=incumbent, bound_only=True)
+            assert (got.bound < incumbent) == (alone.bound < incumbent)
+            assert all(t is not None for t in targets)
+            compared += 1
+    assert compared >= 4
 
 
 def test_a_dominant_loss_head_is_proved_optimal_by_its_row():

@@ -216,7 +216,8 @@ def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = ma
     point of the model), each of them stopped at its first solution at or under `known_bound` (a
     bound already proven, cost units: that MILP's own bound can no longer rise above it). bound_only:
     no plans are made (their fitting and refinement are most of the search's time on recurrent
-    graphs), only the bound; it stops once that reaches `incumbent`."""
+    graphs), only the bound; it stops once that reaches `incumbent`, and each MILP stops at its first
+    solution under `incumbent` (whether the bound reaches it is all that is asked)."""
     with stage(f"checkmate: rows over the budget ({len(graph.nodes)} nodes)", unit="model") as progress:
         return _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from, incumbent_schedule,
                        rounds_gap, bound_only, known_bound)
@@ -255,6 +256,10 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         best = min(found["cost"], incumbent)
         cutoff = best / rm.cost_scale if plan_only and math.isfinite(best) else None
         start = point_of_schedule(rm, graph, incumbent_schedule) if integral and incumbent_schedule else None
+        if bound_only and math.isfinite(incumbent):
+            # only whether the bound reaches the incumbent is asked: a solution under it proves this
+            # MILP's bound never will (the chunked head of a 2-layer LSTM over 8 steps: 3.9 -> 0.4 s)
+            target = incumbent if target is None else min(target, incumbent)
         sol = rm.model.solve(integral=integral, max_nodes=nodes_limit, time_limit_s=left(), mip_gap=max(mip_gap, 1e-6),
                              cutoff=cutoff, max_improving=PLAN_SOLUTIONS if plan_only else None, start=start,
                              target=target / rm.cost_scale if integral and target else None)
