@@ -78,7 +78,7 @@ from remat.solver.checkmate.peak_rows import peak_floor
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
 from remat.core.simulator import ScheduleError, simulate
 from remat.loss_head.router import chunked_loss_mode
-from remat.solving import solve, strategy_options
+from remat.solving import smallest_feasible, solve, strategy_options
 
 __all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
            "REUSE_TIGHTNESS", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
@@ -361,15 +361,18 @@ class StepPlanner:
         if chunked is not None and not has_chunked_head(chunked.graph):
             chunked = None  # no head the router could take: the same step as the model's
         if plain is None and chunked is None:
-            # neither fits: the smallest budget either head reaches, in the error (searched now)
-            errors = []
-            for c in (False, True):
-                try:
-                    return step(c)  # (fits only if the search's own plan does)
-                except InfeasibleBudgetError as e:
-                    errors.append(e)
-            raise min(errors, key=lambda e: e.min_feasible_bytes if e.min_feasible_bytes is not None
-                      else float("inf")) from None
+            # neither fits: the smallest budget either head reaches, searched now on the graphs
+            # traced above (each head traced once: a trace costs seconds, Funnel's ~5 s each); a head
+            # whose lowest-peak plan fits after all is planned (its solve falls back to that plan)
+            heads = [c for c in (False, True) if c in traced and (not c or has_chunked_head(traced[c]))]
+            with progress.quiet(o.quiet):
+                smallest = {c: smallest_feasible(traced[c], o.solver, o.time_limit_s, **o.solver_kwargs) for c in heads}
+            best = min(heads, key=lambda c: (smallest[c], c))
+            if smallest[best] <= limit:
+                return step(best)
+            raise InfeasibleBudgetError(
+                f"no {o.solver} plan fits {limit / 2**20:.2f} MiB; the smallest budget found feasible is "
+                f"{smallest[best] / 2**20:.2f} MiB ({smallest[best]} bytes)", min_feasible_bytes=smallest[best])
         if plain is None or (chunked is not None and chunked.plan.total_cost < plain.plan.total_cost):
             assert chunked is not None
             if False in traced:  # what the chunked head costs beyond the model's, for reports

@@ -442,6 +442,31 @@ def test_the_chunked_head_is_not_solved_where_its_rows_bound_says_it_cannot_cost
     assert full.fits and chunked.total_cost + full.extra_cost >= opt.plan.total_cost
 
 
+def test_under_both_heads_smallest_budgets_each_head_is_traced_once_and_the_smaller_is_named(monkeypatch):
+    """Under a budget neither head fits, `optimize` names the smaller of the two heads' smallest
+    budgets (each head's lowest-peak search on the graph traced for it, not traced again), and
+    that budget then plans."""
+    import remat.pipeline as pipeline
+    from remat.solving import smallest_feasible
+
+    torch.manual_seed(0)
+    model, args = Wide(512), (torch.randn(256, 64), torch.randint(0, 512, (256,)))
+    plain = remat.capture(model, args, quiet=True)
+    chunked = remat.capture(model, args, chunked_loss=True, quiet=True)
+    assert has_chunked_head(chunked)
+    want = min(smallest_feasible(plain, "checkmate"), smallest_feasible(chunked, "checkmate"))
+    floor = plain.resident_bytes + sum(v.kept_bytes for v in plain.nodes)
+    heads = []
+    real_step = pipeline.planned_step
+    monkeypatch.setattr(pipeline, "planned_step", lambda *a, chunked=False, **k: heads.append(chunked) or real_step(
+        *a, chunked=chunked, **k))
+    with pytest.raises(remat.InfeasibleBudgetError) as e:
+        remat.optimize(model, budget_bytes=min(floor, want - 1), example_inputs=args, quiet=True)
+    assert heads == [False, True] and e.value.min_feasible_bytes == want and f"{want} bytes" in str(e.value)
+    opt = remat.optimize(model, budget_bytes=want, example_inputs=args, quiet=True)
+    assert opt.plan.predicted_peak_bytes <= want
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_dh_accumulation_on_cuda_equals_the_upcast_gemm():
     """The backward's dh, accumulated by a 16-bit GEMM adding float32 products in its epilogue,
