@@ -365,6 +365,8 @@ class StepPlanner:
             # traced above (each head traced once: a trace costs seconds, Funnel's ~5 s each); a head
             # whose lowest-peak plan fits after all is planned (its solve falls back to that plan)
             heads = [c for c in (False, True) if c in traced and (not c or has_chunked_head(traced[c]))]
+            if not heads:  # no graph got as far as planning: the step's own search, as for one head
+                return step(False)
             with progress.quiet(o.quiet):
                 smallest = {c: smallest_feasible(traced[c], o.solver, o.time_limit_s, **o.solver_kwargs) for c in heads}
             best = min(heads, key=lambda c: (smallest[c], c))
