@@ -78,7 +78,7 @@ from remat.solver.checkmate.peak_rows import peak_floor
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
 from remat.core.simulator import ScheduleError, simulate
 from remat.loss_head.router import chunked_loss_mode
-from remat.solving import smallest_feasible, solve, strategy_options
+from remat.solving import infeasible_budget, smallest_feasible, solve, strategy_options
 
 __all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
            "REUSE_TIGHTNESS", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
@@ -372,9 +372,7 @@ class StepPlanner:
             best = min(heads, key=lambda c: (smallest[c], c))
             if smallest[best] <= limit:
                 return step(best)
-            raise InfeasibleBudgetError(
-                f"no {o.solver} plan fits {limit / 2**20:.2f} MiB; the smallest budget found feasible is "
-                f"{smallest[best] / 2**20:.2f} MiB ({smallest[best]} bytes)", min_feasible_bytes=smallest[best])
+            raise infeasible_budget(o.solver, limit, smallest[best])
         if plain is None or (chunked is not None and chunked.plan.total_cost < plain.plan.total_cost):
             assert chunked is not None
             if False in traced:  # what the chunked head costs beyond the model's, for reports

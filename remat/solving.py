@@ -14,7 +14,7 @@ from remat.solver import get_options, get_solver
 from remat.core.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
 from remat.validate import check_solve_args
 
-__all__ = ["solve", "smallest_feasible", "strategy_options"]
+__all__ = ["solve", "smallest_feasible", "infeasible_budget", "strategy_options"]
 
 
 def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkmate",
@@ -33,11 +33,15 @@ def _solve(graph: TrainingGraph, budget_bytes: int | None, solver: str, time_lim
            solver_kwargs: dict) -> Plan:
     plan = get_solver(solver)(graph, budget_bytes, **strategy_options(solver, time_limit_s, solver_kwargs).as_kwargs())
     if budget_bytes is not None and (plan.status == "infeasible" or not plan.fits):
-        smallest = smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
-        raise InfeasibleBudgetError(
-            f"no {solver} plan fits {budget_bytes / 2**20:.2f} MiB; the smallest budget found feasible "
-            f"is {smallest / 2**20:.2f} MiB ({smallest} bytes)", min_feasible_bytes=smallest)
+        raise infeasible_budget(solver, budget_bytes, smallest_feasible(graph, solver, time_limit_s, **solver_kwargs))
     return plan
+
+
+def infeasible_budget(solver: str, budget_bytes: int, smallest: int) -> InfeasibleBudgetError:
+    """The error refusing `budget_bytes`, naming `smallest`, the smallest budget found feasible."""
+    return InfeasibleBudgetError(
+        f"no {solver} plan fits {budget_bytes / 2**20:.2f} MiB; the smallest budget found feasible "
+        f"is {smallest / 2**20:.2f} MiB ({smallest} bytes)", min_feasible_bytes=smallest)
 
 
 def smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | None = None,
