@@ -12,7 +12,12 @@ workspace.
 The same run records the real size of each output's storage: a kernel may return a view into a
 larger buffer it allocated, which the trace's fake tensors do not show (CPU `mse_loss` returns its
 0-d mean as a view of the elementwise squared error: the loss holds batch x features x 4 bytes,
-not 4). The graph must count what the real output holds.
+not 4). The graph must count what the real output holds. That size can depend on the storage an
+input views, not only on the part it covers: the functional forms of in-place writes into views
+(`copy`, `select_scatter`, `slice_scatter`, ...) copy the whole storage of their first input, so
+`select_scatter(row_of_a_65x65_int64_table, ...)` returns a 65-element row on a 33,800-byte
+storage (where the fake tensor says 520). So an argument that views a larger storage is made on a
+storage of that size (`real_like`), and that size is part of the op's signature.
 
 Planning without the memory, `probe_ops(..., limits=...)`: ops too large to run at their traced
 shapes are measured on smaller ones and scaled, ops that cannot run here get formulas
@@ -50,25 +55,49 @@ class Layout:
     offset: int
 
 
+# A view's whole storage is made for a probe up to this size (above it, only the part it covers): a
+# larger one (a row of a huge embedding table) would cost the probe more memory than it may use.
+WHOLE_STORAGE_MAX_BYTES = 256 * 2**20
+
+
+def _covered_elements(shape, stride, offset: int) -> int:
+    """Elements of a storage up to the last one a tensor of this placement covers."""
+    return 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+
+
+def _storage_elements(v: torch.Tensor, covered: int) -> int:
+    """Elements of the storage a real tensor like the fake `v` is made on: the whole storage `v`
+    views where that is larger than the `covered` elements its placement reaches, up to
+    WHOLE_STORAGE_MAX_BYTES (the functional in-place ops copy their input's whole storage)."""
+    whole = storage_bytes(v) // max(1, v.element_size())
+    if whole > covered and whole * v.element_size() <= WHOLE_STORAGE_MAX_BYTES:
+        return whole
+    return covered
+
+
 def real_like(v, device: torch.device, layout=None):
     """A real tensor like the fake value `v` (shape, strides, offset, dtype) on `device` (on the CPU
     where `v` is): random floats, integers 0 (a valid index for every gather/embedding/loss target),
     bools True. Built on a flat storage and viewed with `v`'s strides (or `layout`'s: a Layout, or
     for a list or tuple value a matching sequence of them, None where unknown), so an expanded
-    value (stride 0, whose elements share memory and cannot be filled through the view) is made too."""
+    value (stride 0, whose elements share memory and cannot be filled through the view) is made too.
+    The flat storage is as large as the one `v` views (`_storage_elements`), zeros beyond the part
+    the view reaches."""
     if isinstance(v, torch.Tensor):
         shape = tuple(v.shape)
         stride, offset = _placement(v, layout)
-        size = 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        size = _covered_elements(shape, stride, offset)
         # a value the trace put on the CPU (a scalar beside a GPU step) stays on the CPU
         on = v.device if v.device.type == "cpu" else device
-        flat = torch.empty(size, dtype=v.dtype, device=on)
+        flat = torch.empty(_storage_elements(v, size), dtype=v.dtype, device=on)
+        flat[size:].zero_()
+        covered = flat[:size]
         if v.dtype.is_floating_point or v.dtype.is_complex:
-            flat.normal_(0, 0.1)
+            covered.normal_(0, 0.1)
         elif v.dtype == torch.bool:
-            flat.fill_(True)
+            covered.fill_(True)
         else:
-            flat.zero_()
+            covered.zero_()
         return flat.as_strided(shape, stride, offset)
     if isinstance(v, (list, tuple)):
         parts = layout if isinstance(layout, (list, tuple)) and len(layout) == len(v) else [None] * len(v)
@@ -101,7 +130,10 @@ def op_signature(n: fx.Node, layouts: dict | None = None) -> tuple:
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                return ("T", tuple(v.shape), _placement(v, (layouts or {}).get(a))[0], v.dtype)
+                stride, offset = _placement(v, (layouts or {}).get(a))
+                covered = _covered_elements(v.shape, stride, offset)
+                whole = _storage_elements(v, covered)  # the larger storage it views, if any
+                return ("T", tuple(v.shape), stride, v.dtype, whole if whole > covered else None)
             return ("N", repr(v))
         if isinstance(a, (list, tuple)):
             return tuple(sig(x) for x in a)
@@ -324,8 +356,32 @@ def _probe(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, allo
     def seen(sig, out):
         out_layout[sig] = layout_of(out)
 
-    for sig, (extra, storages) in run_cases(cases(), device, allocator, seen).items():
+    measured = run_cases(cases(), device, allocator, seen)
+    for sig, (extra, storages) in measured.items():
         for m in todo[sig]:
             result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0
             result.out_storages[m.name] = storages
+    _refuse_views_of_other_layouts([nodes[0] for sig, nodes in todo.items() if sig not in measured], layouts)
     return result
+
+
+def _refuse_views_of_other_layouts(failed: list[fx.Node], layouts: dict) -> None:
+    """Raise TraceError for a `view` that failed on the layout the real kernel before it gave its
+    input, where the fake tensor the trace decided on had other strides (CPU BatchNorm on a
+    transposed input returns a contiguous output, its fake kernel a transposed one): the planned
+    step would raise "view size is not compatible" at its first call."""
+    from remat.graph_capture.joint import TraceError
+
+    for n in failed:
+        if n.target is not torch.ops.aten.view.default or not isinstance(n.args[0], fx.Node):
+            continue
+        source, lay = n.args[0], layouts.get(n.args[0])
+        v = source.meta.get("val")
+        if isinstance(lay, Layout) and isinstance(v, torch.Tensor) and lay.stride != tuple(v.stride()):
+            where = n.meta.get("remat_module_path") or source.meta.get("remat_module_path")
+            raise TraceError(
+                f"{source.name} ({source.target}{f', in {where}' if where else ''}) is laid out with strides "
+                f"{lay.stride} by the real kernel, {tuple(v.stride())} by the fake one the trace ran, and the view "
+                f"{n.name} the trace took of it cannot run on the real layout: the planned step would fail at its "
+                f"first call (a mismatch of PyTorch's fake kernel; torch.compile fails the same way). Make that "
+                f"tensor contiguous in the model (`.contiguous()` after it) or take it with `.reshape`.")
