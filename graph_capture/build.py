@@ -152,8 +152,10 @@ def _tangents(g: fx.Graph, group_of: dict[fx.Node, fx.Node], aliases: set[fx.Nod
     gradient autograd's engine creates for `loss.backward()` and holds until the backward returns:
     no readers (held to the end). The tangents of other outputs are, in the step the budget covers
     (`model(...)[loss].backward()`), zeros that AOTAutograd creates and the backward graph drops
-    after their last reader. The loss is taken to be every 0-d output, or the only output: an output
-    the user also backpropagates through is outside the planned step (OutsideBudgetWarning)."""
+    after their last reader. The loss is taken to be every one-element output (0-d, or shape (1,):
+    `backward()` seeds either), or the only output: an output the user also backpropagates through
+    is outside the planned step (OutsideBudgetWarning). Another one-element output (an auxiliary
+    loss returned beside the loss) is counted held too: a few bytes over, never under."""
     ts = [n for n in g.nodes if n.op == "placeholder" and _is_tangent(n)
           and isinstance(n.meta.get("val"), torch.Tensor)]
 
@@ -171,7 +173,7 @@ def _tangents(g: fx.Graph, group_of: dict[fx.Node, fx.Node], aliases: set[fx.Nod
 
     result = []
     for n in ts:
-        held = len(ts) == 1 or n.meta["val"].dim() == 0 or returned(n)
+        held = len(ts) == 1 or n.meta["val"].numel() == 1 or returned(n)
         result.append((allocation_bytes(_storage_bytes(n.meta["val"]), allocator),
                        () if held else tuple(sorted(readers(n)))))
     return tuple(result)
