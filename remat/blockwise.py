@@ -158,12 +158,16 @@ def _to_planned(planned: nn.Module | None, own):
 
 
 def _detached(x: Any) -> Any:
-    """A copy of a block's argument as training passes it: tensors detached and cloned, requiring
-    grad where the original does."""
+    """A copy of a block's argument as training passes it: tensors detached and copied with their
+    strides (a non-contiguous slice stays laid out as the calls will pass it: strides are part of a
+    call's key), requiring grad where the original does."""
     def copy(t):
         if not isinstance(t, torch.Tensor):
             return t
-        c = t.detach().clone()
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded: cannot be written as laid out
+            c = t.detach().clone()
+        else:
+            c = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
         return c.requires_grad_(t.requires_grad) if c.is_floating_point() or c.is_complex() else c
     return pytree.tree_map(copy, x)
 

@@ -169,3 +169,40 @@ def test_deberta_v2_with_labels_trains_block_by_block():
     assert opt.fit.blocks == ["m.deberta.encoder.layer.0", "m.deberta.encoder.layer.1"]
     assert opt.fit.measured_bytes <= budget
     _train_both(opt, wrapped, ref_wrapped, [(ids, labels), (ids[:3], labels[:3])], budget)
+
+
+class StridedHeads(nn.Module):
+    """Repeated heads called on a non-contiguous slice (Autoformer's decoder output), after an
+    `.item()` that keeps the step from being traced whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(32, 32)
+        self.heads = nn.ModuleList(nn.Linear(32, 1) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))[:, -16:]  # strides (26 * 32, 32, 1)
+        scale = 1.0 + float(x.abs().mean().item() > 0)
+        return sum(head(h).pow(2).mean() for head in self.heads) * scale
+
+
+def test_blocks_called_on_a_strided_slice():
+    # a block's recorded call was copied contiguous, so the real (strided) call was another key,
+    # planned under the recorded call's budget share and refused (InfeasibleBudgetError)
+    torch.manual_seed(0)
+    model = StridedHeads()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 26, 32)
+    peak = remat.measure_peak(lambda: eager(x).backward(), resident=[eager, x])
+    eager.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = remat.optimize(model, budget_bytes=2 * peak, example_inputs=(x,), quiet=True)
+    assert isinstance(opt, BlockwiseModule)
+    loss = opt(x)
+    loss.backward()
+    want = eager(x)
+    want.backward()
+    assert torch.allclose(loss, want)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
