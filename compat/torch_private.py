@@ -63,7 +63,7 @@ __all__ = ["TESTED_TORCH", "count_grouped_query_attention", "rnn_dropout_between
            "aot_export_joint", "joint_needs_autograd", "joint_graph", "joint_state_names", "aot_compile_joint",
            "as_partitioner_runs", "default_partition", "extract_fwd_bwd_modules",
            "allow_retained_backward", "backward_keeps_graph",
-           "is_input_mutation_output", "compile_session", "profiler_events", "profiler_allocations",
+           "is_input_mutation_output", "aot_backward_node", "tangent_output", "compile_session", "profiler_events", "profiler_allocations",
            "compiled_submodules",
            "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake", "fresh_fake_tensor_cache"]
 
@@ -202,6 +202,25 @@ def backward_keeps_graph() -> bool:
     """Inside a backward: whether it was asked to keep the graph (`retain_graph=True`), from
     autograd's current graph task (`torch._C._autograd._get_current_graph_task_keep_graph`)."""
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def aot_backward_node(outputs) -> object | None:
+    """The autograd node of AOTAutograd's compiled function among `outputs`' grad_fns (its class is
+    made per compiled function, named "CompiledFunctionBackward"); None where no output has it
+    (every output an alias AOTAutograd regenerated outside the function)."""
+    for t in outputs:
+        fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+        if fn is not None and type(fn).__name__ == "CompiledFunctionBackward":
+            return fn
+    return None
+
+
+def tangent_output(desc) -> object | None:
+    """The forward output descriptor a joint-graph tangent input's descriptor (node.meta["desc"])
+    is the incoming gradient of; None for any other input, or on a torch without descriptors."""
+    if desc is None or not hasattr(desc, "is_tangent") or not desc.is_tangent():
+        return None
+    return getattr(desc, "output", None)
 
 
 def is_input_mutation_output(desc) -> bool | None:

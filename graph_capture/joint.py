@@ -33,6 +33,7 @@ from remat.graph_capture.eager_calls import eager_executable
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
 from remat.graph_capture.trace_failures import trace_failure, what_failed
+from remat.graph_capture.unreached_gradients import gradient_sources, leave_unreached_none
 from remat.core.progress import Stage
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "ParameterMismatchError", "DoubleBackwardError",
@@ -201,9 +202,10 @@ class CompiledStep:
     and buffers, then the inputs; `step` the module it traced, whose parameters and buffers it lifted
     in `_state_of`'s order."""
 
-    def __init__(self, run: Callable, step: nn.Module):
+    def __init__(self, run: Callable, step: nn.Module, sources: list[int] | None = None, num_fwd_outputs: int = 0):
         self._run = run
         self._module = step
+        self._sources, self._num_fwd = sources, num_fwd_outputs  # unreached_gradients.py
         self._names, tensors = _state_of(step)
         self._meta = [_describe(t) for t in tensors]
         self._ties = _ties(tensors)
@@ -236,6 +238,7 @@ class CompiledStep:
     def __call__(self, *flat: torch.Tensor):
         outs = self._run([*self.current_state(), *flat])
         guard_backward(outs)
+        leave_unreached_none(outs, self._sources, self._num_fwd)
         return outs
 
 
@@ -310,7 +313,8 @@ class CapturedStep:
             raise TraceError(f"could not compile the training step of {self.name}: {what_failed(e)}") from e
         if not handed:
             raise TraceError(f"AOTAutograd compiled the step of {self.name} without asking for its split")
-        return guard_autocast(CompiledStep(run, self._step), self._autocast)
+        sources = gradient_sources(joint, n_fwd)
+        return guard_autocast(CompiledStep(run, self._step, sources, n_fwd), self._autocast)
 
 
 @contextmanager

@@ -72,6 +72,7 @@ from remat.deployment import plan_context, rejudge
 from remat.runtime.compile import PlannedGraphs
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, PlannedStep, PlanRecord, RematModule, call_key, describe_key,
                                   model_device_types)
+from remat.runtime.call_state import warn_traced_hooks
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
 from remat.solver.checkmate.peak_rows import peak_floor
@@ -398,5 +399,7 @@ def deployed_module(model: nn.Module, args: tuple, kwargs: dict, options: PlanOp
     saved plan judged again on the trace; otherwise as `options` say."""
     planner = StepPlanner(options)
     key, _ = call_key(model, args, kwargs, model_device_types(model))
+    warn_traced_hooks(model)
     first = planner.plan_call(model, args, kwargs, known=plan, others=[], call=describe_key(key))
-    return RematModule(model, planner, (key, first), cache_limit=cache_limit)
+    after, _ = call_key(model, args, kwargs, model_device_types(model))  # attributes the trace changed
+    return RematModule(model, planner, (key, first, after), cache_limit=cache_limit)

@@ -6,9 +6,10 @@ model), another train/eval mode or autocast, keyword arguments present or absent
 another function to differentiate, and a graph traced for one of them computes the wrong thing for
 another (an input traced as not requiring grad gets no gradient). So each gets its own plan: a
 call's *key* (`call_key`) is everything a traced graph is specialised on (the argument structure,
-the values of the non-tensor arguments, each tensor's shape, dtype, device type and requires_grad,
-every submodule's train/eval mode, the autocast state), and the module keeps one planned step per
-key (`PlannedStep`). A call whose key it has not seen is planned by its `planner` (remat/pipeline.py:
+the values of the non-tensor arguments, each tensor's shape, dtype, device type, requires_grad and
+strides where it is not contiguous, every submodule's train/eval mode, the autocast state, and the
+model's Python state the forward read: module hooks and plain attribute values,
+runtime/call_state.py), and the module keeps one planned step per key (`PlannedStep`). A call whose key it has not seen is planned by its `planner` (remat/pipeline.py:
 trace that call, then a plan judged by the simulator on that call's graph) before it runs, so no
 call runs a graph traced for another.
 
@@ -33,6 +34,7 @@ from remat.core.errors import RematWarning
 from remat.compat.torch_private import pytree
 from remat.graph_capture.autocast_state import AutocastState
 from remat.graph_capture.joint import FlatSignature
+from remat.runtime.call_state import module_hooks, module_settings, warn_traced_hooks
 from remat.core.training_graph import TrainingGraph
 from remat.runtime.compile import PlannedGraphs
 from remat.core.plan import Plan
@@ -54,7 +56,8 @@ class PlanCacheLimitWarning(RematWarning):
     each new one costs a trace from now on."""
 
 
-CallKey = tuple  # (argument structure, leaves, submodule modes, frozen parameters, autocast state): see call_key
+CallKey = tuple  # (argument structure, leaves, submodule modes, frozen parameters, autocast state, hooks,
+# attribute values): see call_key
 
 
 def _modes(model: nn.Module) -> tuple[tuple[str, bool], ...]:
@@ -95,21 +98,26 @@ def call_key(model: nn.Module, args: tuple, kwargs: dict,
         if isinstance(x, torch.Tensor):
             tensors.append(x)
             types.add(x.device.type)
-            parts.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
+            # strides where not contiguous: a graph traced on one layout can fail on another (a view
+            # of a contiguous input is no view of a channels_last one)
+            layout = None if x.is_contiguous() else tuple(x.stride())
+            parts.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad, layout))
         else:
             parts.append(_value_key(x))
-    return (spec, tuple(parts), _modes(model), _frozen(model), AutocastState.current(types)), tensors
+    return (spec, tuple(parts), _modes(model), _frozen(model), AutocastState.current(types), module_hooks(model),
+            module_settings(model)), tensors
 
 
 def describe_key(key: CallKey) -> str:
     """The call a key stands for, in a few words: each argument's shape and dtype (requires_grad
     where it does), or its value, and the mode: "idx=(4, 64) int64, targets=(4, 64) int64 (train)"."""
-    spec, parts, modes, frozen, autocast = key
+    spec, parts, modes, frozen, autocast, hooks, _ = key
 
     def leaf(p: tuple) -> str:
-        if len(p) == 4 and isinstance(p[1], torch.dtype):
-            shape, dtype, _, grad = p
-            return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}{' requires_grad' if grad else ''}"
+        if len(p) == 5 and isinstance(p[1], torch.dtype):
+            shape, dtype, _, grad, strides = p
+            return (f"{tuple(shape)} {str(dtype).removeprefix('torch.')}{' requires_grad' if grad else ''}"
+                    f"{f' strides {strides}' if strides is not None else ''}")
         return repr(p[1])
 
     args, kwargs = pytree.tree_unflatten([leaf(p) for p in parts], spec)
@@ -118,6 +126,7 @@ def describe_key(key: CallKey) -> str:
     mode = "train" if modes and modes[0][1] else "eval"
     extra = f", {len(frozen)} parameters frozen" if frozen else ""
     extra += "" if not autocast.enabled else f", {autocast}"
+    extra += f", {len(hooks)} kinds of module hooks" if hooks else ""
     return f"inputs {', '.join(named) or 'none'} ({mode}{extra})"
 
 
@@ -240,7 +249,8 @@ class RematModule(ModelWrapper):
     every key's. `copy.deepcopy`, pickle and `torch.save` copy the model and the plans; the copy
     traces again at its first call of each key, with the same plan (no solve)."""
 
-    def __init__(self, model: nn.Module, planner: CallPlanner, first: tuple[CallKey, PlannedStep] | None = None,
+    def __init__(self, model: nn.Module, planner: CallPlanner,
+                 first: tuple[CallKey, PlannedStep] | tuple[CallKey, PlannedStep, CallKey] | None = None,
                  *, cache_limit: int = DEFAULT_CACHE_LIMIT):
         super().__init__(model)
         # not submodules or buffers: plain attributes, invisible to state_dict and .to()
@@ -291,9 +301,15 @@ class RematModule(ModelWrapper):
         key, _ = call_key(self.module, args, kwargs, self._device_types)
         return self._step_for(key, args, kwargs).plan
 
-    def _add(self, key: CallKey, step: PlannedStep) -> None:
+    def _add(self, key: CallKey, step: PlannedStep, also: CallKey | None = None) -> None:
+        """Cache `step` under `key`, and under `also`: the key of the same call after it was traced,
+        where tracing changed the model's attributes (a forward that counts its calls): the next
+        call finds them so (the planned step does not run the forward's Python) and is not traced
+        again for it."""
         if self._inductor:
             step.graphs.use_inductor()
+        if also is not None and also != key:
+            self._steps[also] = step
         self._steps[key] = step
         self._plans[key] = step.plan
         self.__dict__["_latest"] = key
@@ -304,7 +320,8 @@ class RematModule(ModelWrapper):
                 self.__dict__["_said_limit"] = True
                 warnings.warn(PlanCacheLimitWarning(
                     f"{type(self.module).__name__}: this module met more than cache_limit={self.cache_limit} kinds "
-                    f"of call (input shapes, requires_grad patterns, modes); from now on the least recently used "
+                    f"of call (input shapes, requires_grad patterns, modes, module hooks or attribute values, such "
+                    f"as a dropout rate changed); from now on the least recently used "
                     f"planned step is dropped and traced again when its call comes back (its plan is kept, so "
                     f"that costs a trace, not a solve). Raise cache_limit (remat.optimize(..., cache_limit=...)), "
                     f"or pad batches to fewer shapes."), stacklevel=4)
@@ -319,9 +336,10 @@ class RematModule(ModelWrapper):
         if signature is not None:  # a call the model's forward would refuse: its TypeError, not a trace
             signature.bind(*args, **kwargs)
         others = [(describe_key(k), p) for k, p in self._plans.items() if k != key]
+        warn_traced_hooks(self.module)
         step = self._planner.plan_call(self.module, args, kwargs, known=self._plans.get(key), others=others,
                                        call=describe_key(key))
-        self._add(key, step)
+        self._add(key, step, also=call_key(self.module, args, kwargs, self._device_types)[0])
         return step
 
     def adopt(self, other: "RematModule") -> None:
