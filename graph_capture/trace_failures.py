@@ -1,6 +1,7 @@
 """What a TraceError says when tracing a training step failed deep inside torch: the failure's
 first line, the user's source line it came from, and where the failure has a known cause in the
-model, what to do about it (a plain tensor attribute, reentrant self-checkpointing)."""
+model, what to do about it (a plain tensor attribute, a parameter read outside the traced call,
+reentrant self-checkpointing)."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,8 @@ __all__ = ["trace_failure", "what_failed"]
 def trace_failure(name: str, exc: BaseException, model: nn.Module) -> str:
     """The message of the TraceError for `exc`, raised while tracing `model` (class `name`)."""
     return (f"could not trace the training step of {name}: {what_failed(exc)}\n"
-            f"  at {_user_frame(exc)}{_plain_tensors_hint(exc, model)}{_reentrant_checkpoint_hint(exc)}")
+            f"  at {_user_frame(exc)}{_plain_tensors_hint(exc, model)}{_real_parameter_hint(exc)}"
+            f"{_reentrant_checkpoint_hint(exc)}")
 
 
 def what_failed(exc: BaseException) -> str:
@@ -39,6 +41,20 @@ def _plain_tensors_hint(exc: BaseException, model: nn.Module) -> str:
             f"{', '.join(found[:5])}{' ...' if len(found) > 5 else ''}; the step is traced without data and "
             "cannot take them: make each a buffer (`t = m.NAME; del m.NAME; m.register_buffer('NAME', t, "
             "persistent=False)`) and optimize again")
+
+
+def _real_parameter_hint(exc: BaseException) -> str:
+    """Where the trace met one of the model's parameters as the real tensor, not the traced one: code
+    that reaches it other than through the module call the trace lifts (a custom autograd.Function
+    running a submodule with tensors it saved, as Reformer's reversible layers do)."""
+    text = str(exc)
+    if "convert all Tensors to FakeTensors" not in text or "Parameter containing" not in text:
+        return ""
+    return ("\n  the step reads one of the model's parameters as itself, not as the tensor the trace passes for "
+            "it: code that reaches parameters outside the module call, typically a custom "
+            "torch.autograd.Function whose forward or backward runs submodules (reversible layers recompute "
+            "their inputs that way); remat cannot trace that: run those layers without the custom Function, "
+            "or leave this model to torch.utils.checkpoint")
 
 
 def _reentrant_checkpoint_hint(exc: BaseException) -> str:

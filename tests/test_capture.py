@@ -314,3 +314,38 @@ def test_a_view_the_real_layout_cannot_take_is_refused_when_traced():
     torch.manual_seed(0)
     with pytest.raises(remat.TraceError, match="real kernel.*contiguous"):
         remat.optimize(NormOnTransposed(), example_inputs=(torch.randn(24, 4, 16),), solver="keep_all", quiet=True)
+
+
+class _RunsItsLayer(torch.autograd.Function):
+    """A reversible layer's custom backward: it runs the layer again on its saved input."""
+
+    @staticmethod
+    def forward(ctx, x, layer, *params):
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            grads = torch.autograd.grad(ctx.layer(x), [x, *ctx.layer.parameters()], g)
+        return (grads[0], None, *grads[1:])
+
+
+class Reversible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+
+    def forward(self, x):
+        return _RunsItsLayer.apply(x, self.layer, *self.layer.parameters()).pow(2).mean()
+
+
+def test_a_custom_function_running_a_submodule_is_named_as_the_cause():
+    # torch's own message ("Please convert all Tensors to FakeTensors ... Parameter containing")
+    # said nothing of the cause (Reformer's reversible layers)
+    with pytest.raises(remat.TraceError, match="custom torch.autograd.Function"):
+        remat.optimize(Reversible(), example_inputs=(torch.randn(4, 16),), solver="keep_all", quiet=True)
