@@ -5,7 +5,8 @@ profiler's raw memory events, autograd's sequence numbers. Several of these have
 spelling. They are reached only through this module, so that a torch upgrade breaks in one place,
 and `tests/test_torch_private.py` checks each entry point against the installed torch, failing with
 the torch version in the message when one changed. pyproject pins torch to the versions those tests
-passed on (see `TESTED_TORCH`).
+passed on (see `TESTED_TORCH`). Why this file is long: it is that one place, and each entry point
+needs the few lines that adapt torch's private spelling to what remat asks of it.
 
 Entry points (what each is for):
 * `pytree`: torch.utils._pytree, flattening the model's inputs and outputs (dataclasses, ModelOutput);
@@ -26,6 +27,9 @@ Entry points (what each is for):
   with `retain_graph=True` (it refuses once compiled with donated buffers);
 * `backward_keeps_graph()`: inside a backward, whether it runs with `retain_graph=True`;
 * `is_input_mutation_output(desc)`: whether a joint-graph output descriptor is a mutated input;
+* `tangent_output(desc)`: the forward output a joint-graph tangent input is the gradient of;
+* `aot_backward_node(outputs)`: the autograd node of AOTAutograd's compiled function (its class
+  is made per function), to hook its backward;
 * `compile_session()`: hold `torch.compiler.is_compiling()` true, as torch.compile does;
 * `profiler_events(prof)`: the profiler's raw event list ([memory] events included);
 * `profiler_allocations(prof)`: the profile's allocations and frees with their addresses;

@@ -6,8 +6,10 @@ not run again. So whatever that code read while it was traced is baked into the 
   part of the graph, and one added or removed later would be ignored or kept (global module hooks
   are not: tools that observe every module, FlopCounterMode's ModuleTracker, register them around
   a step that must not be traced again for them);
-* plain attribute values of the submodules and of the plain objects they hold (a dropout rate, a
-  flag, a Hugging Face config's settings): a rate changed mid-training would keep its old value.
+* plain values of the submodules' public attributes and of the plain objects they hold (a dropout
+  rate, a flag, a Hugging Face config's settings): a rate changed mid-training would keep its old
+  value. Private names (`_...`) on modules are bookkeeping (nn.Module's own, or flags a wrapper
+  such as FSDP2 sets after the call was traced) and are left out.
 Both are part of a call's key (runtime/module.py `call_key`), so a call after any of them changed
 is traced again. A hook's Python side effects (printing, logging, storing tensors) happen only
 while a call is traced; TracedHooksWarning says so when a traced model has hooks.
@@ -29,10 +31,6 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format, enum.Enum)
 _SHORT = 16  # tuples, lists and dicts of plain values up to this length count as plain values
-# nn.Module's own bookkeeping (what its __init__ sets): parameters, buffers, submodules and hooks are
-# part of the key apart (or checked at each call: graph_capture/joint.py CompiledStep), so are the
-# train/eval flags, and registering a full backward hook sets a flag its removal leaves behind
-_BOOKKEEPING = frozenset(vars(nn.Module()))
 _SKIP = object()
 
 
@@ -69,13 +67,17 @@ def _holds_settings(v) -> bool:
 
 
 def module_settings(model: nn.Module) -> tuple:
-    """The plain attribute values of every submodule of `model`, and of the plain objects those
-    hold (one level: a Hugging Face config shared by every layer counts once)."""
+    """The plain values of every submodule's public attributes, and all plain attribute values of
+    the objects those hold (one level: a Hugging Face config shared by every layer counts once, its
+    `_attn_implementation` included)."""
     out: list[tuple] = []
     seen: set[int] = set()
     for i, m in enumerate(model.modules()):
         for name, v in m.__dict__.items():
-            if name in _BOOKKEEPING:
+            # private names are bookkeeping (nn.Module's own: parameters, hooks; wrappers' flags, such
+            # as FSDP2's _is_fsdp_managed_module, set after a call was traced), and the train/eval
+            # flags are part of the key apart
+            if name.startswith("_") or name == "training":
                 continue
             p = _plain(v)
             if p is not _SKIP:

@@ -210,6 +210,25 @@ def test_input_mutation_outputs_are_told_apart():
     assert flags.count(True) == 1, _fail("is_input_mutation_output", f"flags {flags} for {descs}")
 
 
+def test_tangents_name_their_output_and_the_compiled_function_has_its_backward_node():
+    import contextlib
+
+    torch.manual_seed(0)
+    model, x = _Tuple(nn.Linear(3, 2)), torch.randn(4, 3, requires_grad=True)
+    with contextlib.ExitStack() as stack:
+        joint = tp.aot_export_joint(stack, model, [x])
+        gm = tp.joint_graph(joint)
+        out_descs = gm.graph.output_node().meta.get("desc") or []
+        tangents = [tp.tangent_output(n.meta.get("desc")) for n in gm.graph.nodes if n.op == "placeholder"]
+        assert tangents[:3] == [None, None, None], _fail("tangent_output", f"a primal read as a tangent: {tangents}")
+        assert out_descs and tangents[3] == out_descs[0], _fail("tangent_output", f"{tangents[3]} vs {out_descs[:1]}")
+        run = tp.aot_compile_joint(joint, tp.default_partition, lambda g, ex: make_boxed_func(g),
+                                   lambda g, ex: make_boxed_func(g))
+    outs = run([*model.parameters(), x])
+    node = tp.aot_backward_node(outs)
+    assert node is not None and len(node.next_functions) == 3, _fail("aot_backward_node", f"{outs[0].grad_fn}")
+
+
 def test_compile_session_makes_is_compiling_true():
     assert not torch.compiler.is_compiling()
     with tp.compile_session():
