@@ -9,9 +9,10 @@ call's *key* (`call_key`) is everything a traced graph is specialised on (the ar
 the values of the non-tensor arguments, each tensor's shape, dtype, device type, requires_grad and
 strides where it is not contiguous, every submodule's train/eval mode, the autocast state, and the
 model's Python state the forward read: module hooks and plain attribute values,
-runtime/call_state.py), and the module keeps one planned step per key (`PlannedStep`). A call whose key it has not seen is planned by its `planner` (remat/pipeline.py:
-trace that call, then a plan judged by the simulator on that call's graph) before it runs, so no
-call runs a graph traced for another.
+runtime/call_state.py), and the module keeps one planned step per key (`PlannedStep`). A call
+whose key it has not seen is planned by its `planner` (remat/pipeline.py: trace that call, then a
+plan judged by the simulator on that call's graph) before it runs, so no call runs a graph traced
+for another.
 
 The planned steps are a cache bounded like torch.compile's recompile limit (`cache_limit`, 8 by
 default): past it the least recently used step is dropped (its plan is kept, so a key seen again
