@@ -30,6 +30,7 @@ from remat.compat.torch_private import (allow_retained_backward, aot_compile_joi
                                        as_partitioner_runs, backward_keeps_graph, joint_graph, joint_needs_autograd,
                                        fresh_fake_tensor_cache, joint_state_names, pytree)
 from remat.graph_capture.eager_calls import eager_executable
+from remat.graph_capture.host_rng import HostRandomError, host_rng_states, host_rngs_drawn
 from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
 from remat.graph_capture.outputs import OutputError, OutputStructure
 from remat.graph_capture.trace_failures import trace_failure, what_failed
@@ -358,7 +359,11 @@ def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fu
             # trace in a process and its later ones must count the same bytes, or a plan made on one
             # would not match the other (a model planned block by block traces each block twice)
             fresh_fake_tensor_cache()
+            host_rngs = host_rng_states()
             joint = aot_export_joint(stack, step, flat)
+            drawn = host_rngs_drawn(host_rngs)
+            if drawn:  # frozen into the graph: every step would repeat the trace's draws (host_rng.py)
+                raise HostRandomError(drawn)
         except (TraceError, OutputError):
             raise
         except Exception as e:  # tracing failures surface from deep inside torch: name the culprit

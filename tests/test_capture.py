@@ -349,3 +349,39 @@ def test_a_custom_function_running_a_submodule_is_named_as_the_cause():
     # said nothing of the cause (Reformer's reversible layers)
     with pytest.raises(remat.TraceError, match="custom torch.autograd.Function"):
         remat.optimize(Reversible(), example_inputs=(torch.randn(4, 16),), solver="keep_all", quiet=True)
+
+
+class PythonLayerDrop(nn.Module):
+    """LayerDrop written with Python's RNG: each layer is skipped with probability 0.5."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        import random
+
+        for layer in self.layers:
+            if random.random() >= 0.5:
+                x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def test_a_forward_drawing_from_pythons_rng_is_not_frozen_into_the_plan():
+    # traced whole, the trace's draws were replayed at every step: the same layers skipped forever
+    import copy
+    import random
+
+    torch.manual_seed(0)
+    model = PythonLayerDrop()
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    with pytest.raises(remat.TraceError, match="random.*same at every step"):
+        remat.optimize(model, example_inputs=(x,), solver="keep_all", quiet=True)
+    with pytest.warns(remat.RematWarning):
+        opt = remat.optimize(model, budget_bytes=2**30, example_inputs=(x,), quiet=True)  # block by block
+    losses = []
+    for m, call in ((model, opt), (eager, eager)):
+        random.seed(3)
+        losses.append([call(x).item() for _ in range(6)])
+    assert losses[0] == losses[1] and len(set(losses[0])) > 1
