@@ -23,8 +23,8 @@ class HostRandomError(RuntimeError):
         super().__init__(
             f"the forward drew from {' and '.join(drawn)} while traced: a planned step runs the traced graph, "
             f"so those draws would be the same at every step (a LayerDrop written with random.random() would "
-            f"skip the same layers every step); draw with torch (torch.rand, whose draws a graph repeats), or "
-            f"give a budget, with which the model is planned block by block and its Python runs at every step")
+            f"skip the same layers every step); draw with torch (torch.rand: a planned step draws again at every "
+            f"step), or give a budget, with which the model is planned block by block and its Python runs at every step")
 
 
 def host_rng_states() -> dict[str, object]:
