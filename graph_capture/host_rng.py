@@ -12,10 +12,12 @@ from __future__ import annotations
 import random
 import sys
 
+from remat.core.errors import RematError
+
 __all__ = ["host_rng_states", "host_rngs_drawn", "HostRandomError"]
 
 
-class HostRandomError(RuntimeError):
+class HostRandomError(RematError, RuntimeError):
     """The model's Python code drew from a host RNG while its step was traced (wrapped in the
     TraceError that tracing raises, so a model with a budget is planned block by block)."""
 
