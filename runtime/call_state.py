@@ -6,10 +6,11 @@ not run again. So whatever that code read while it was traced is baked into the 
   part of the graph, and one added or removed later would be ignored or kept (global module hooks
   are not: tools that observe every module, FlopCounterMode's ModuleTracker, register them around
   a step that must not be traced again for them);
-* plain values of the submodules' public attributes and of the plain objects they hold (a dropout
-  rate, a flag, a Hugging Face config's settings): a rate changed mid-training would keep its old
-  value. Private names (`_...`) on modules are bookkeeping (nn.Module's own, or flags a wrapper
-  such as FSDP2 sets after the call was traced) and are left out.
+* plain values of the submodules' attributes and of the plain objects they hold under public names
+  (a dropout rate, a flag, a Hugging Face config's settings): a rate changed mid-training would
+  keep its old value. Bookkeeping is left out: nn.Module's own attributes, and the flags wrappers
+  set on every module after a call was traced (FSDP2's `_is_fsdp_managed_module`, Hugging Face's
+  `_is_hf_initialized`), which would otherwise trace every block again at its first wrapped call.
 Both are part of a call's key (runtime/module.py `call_key`), so a call after any of them changed
 is traced again. A hook's Python side effects (printing, logging, storing tensors) happen only
 while a call is traced; TracedHooksWarning says so when a traced model has hooks.
@@ -31,6 +32,8 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format, enum.Enum)
 _SHORT = 16  # tuples, lists and dicts of plain values up to this length count as plain values
+_MODULE_OWN = frozenset(vars(nn.Module()))  # parameters, buffers, submodules, hooks, train/eval: keyed apart
+_WRAPPER_FLAGS = ("_fsdp", "_is_fsdp", "_is_hf_")  # prefixes of flags wrappers set on every module
 _SKIP = object()
 
 
@@ -67,22 +70,20 @@ def _holds_settings(v) -> bool:
 
 
 def module_settings(model: nn.Module) -> tuple:
-    """The plain values of every submodule's public attributes, and all plain attribute values of
-    the objects those hold (one level: a Hugging Face config shared by every layer counts once, its
-    `_attn_implementation` included)."""
+    """The plain values of every submodule's attributes but bookkeeping, and all plain attribute
+    values of the objects they hold under public names (one level: a Hugging Face config shared by
+    every layer counts once, its `_attn_implementation` included)."""
     out: list[tuple] = []
     seen: set[int] = set()
     for i, m in enumerate(model.modules()):
         for name, v in m.__dict__.items():
-            # private names are bookkeeping (nn.Module's own: parameters, hooks; wrappers' flags, such
-            # as FSDP2's _is_fsdp_managed_module, set after a call was traced), and the train/eval
-            # flags are part of the key apart
-            if name.startswith("_") or name == "training":
+            if name in _MODULE_OWN or name.startswith(_WRAPPER_FLAGS):
                 continue
             p = _plain(v)
             if p is not _SKIP:
                 out.append((i, name, p))
-            elif _holds_settings(v) and id(v) not in seen:
+            # an object held under a private name is a wrapper's state (FSDP2's, accelerate's hook)
+            elif not name.startswith("_") and _holds_settings(v) and id(v) not in seen:
                 seen.add(id(v))
                 out.extend((i, name, k, q) for k, x in vars(v).items() if (q := _plain(x)) is not _SKIP)
     return tuple(out)

@@ -102,6 +102,29 @@ def test_a_config_setting_read_in_the_forward():
     _same_step(opt, model, eager, x)
 
 
+def test_a_private_flag_read_in_the_forward():
+    class Flagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 1)
+            self._double = False
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 2 if self._double else y
+
+    torch.manual_seed(0)
+    model = Flagged()
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    opt = _optimize(model, x)
+    model._double = eager._double = True
+    _same_step(opt, model, eager, x)
+    model._is_fsdp_managed_module = True  # a wrapper's flag: not a new kind of call
+    _same_step(opt, model, eager, x)
+    assert len(opt.plan_log) == 2
+
+
 def test_settings_the_forward_changes_while_traced_do_not_trace_every_call():
     class Counting(nn.Module):
         def __init__(self):
