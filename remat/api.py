@@ -13,7 +13,6 @@ from remat.graph_capture.joint import TraceError
 from remat.core.training_graph import TrainingGraph
 from remat.pipeline import Decision, PlanOptions, StepPlanner, plan_head, planned_step, trace_graph
 from remat.deployment import check_context, load_plan, rejudge
-from remat.runtime.call_state import warn_traced_hooks
 from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, call_key, describe_key,
                                   model_device_types)
@@ -132,7 +131,6 @@ def optimize(model: nn.Module, budget_gb: float | None = None, *, example_inputs
     planner = StepPlanner(options)
     key, _ = call_key(model, args, kwargs, model_device_types(model))
     call = describe_key(key)
-    warn_traced_hooks(model)
     if solve_on_rank is None:
         try:
             first = planner.plan_call(model, args, kwargs, known=plan, others=[], call=call)

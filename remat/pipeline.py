@@ -199,6 +199,7 @@ def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptio
     the router can), plan it with `decision` and return the planned step (trace, decide and lower;
     see the module docstring). The plan records the head it was made for."""
     graphs = PlannedGraphs()
+    warn_traced_hooks(model)  # every call planned traces here: hooks' side effects run only now
     if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
         graphs.use_inductor()
     t0 = time.perf_counter()
@@ -399,7 +400,6 @@ def deployed_module(model: nn.Module, args: tuple, kwargs: dict, options: PlanOp
     saved plan judged again on the trace; otherwise as `options` say."""
     planner = StepPlanner(options)
     key, _ = call_key(model, args, kwargs, model_device_types(model))
-    warn_traced_hooks(model)
     first = planner.plan_call(model, args, kwargs, known=plan, others=[], call=describe_key(key))
     after, _ = call_key(model, args, kwargs, model_device_types(model))  # attributes the trace changed
     return RematModule(model, planner, (key, first, after), cache_limit=cache_limit)

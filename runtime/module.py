@@ -35,7 +35,7 @@ from remat.core.errors import RematWarning
 from remat.compat.torch_private import pytree
 from remat.graph_capture.autocast_state import AutocastState
 from remat.graph_capture.joint import FlatSignature
-from remat.runtime.call_state import module_hooks, module_settings, warn_traced_hooks
+from remat.runtime.call_state import module_hooks, module_settings
 from remat.core.training_graph import TrainingGraph
 from remat.runtime.compile import PlannedGraphs
 from remat.core.plan import Plan
@@ -337,7 +337,6 @@ class RematModule(ModelWrapper):
         if signature is not None:  # a call the model's forward would refuse: its TypeError, not a trace
             signature.bind(*args, **kwargs)
         others = [(describe_key(k), p) for k, p in self._plans.items() if k != key]
-        warn_traced_hooks(self.module)
         step = self._planner.plan_call(self.module, args, kwargs, known=self._plans.get(key), others=others,
                                        call=describe_key(key))
         self._add(key, step, also=call_key(self.module, args, kwargs, self._device_types)[0])
