@@ -358,6 +358,15 @@ def test_the_rows_a_plan_misses_are_added_a_row_a_round_until_the_gap_is_within_
     monkeypatch.setattr(peak_rows, "GENERATION_MAX_ITERATIONS", 0)
     capped = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
     assert [s["rows"] for s in capped.details["solves"]] == rows[:1] and "iterations" in capped.details["rounds_stopped"]
+    # ... and the next round is taken as GENERATION_GROWTH times the last: a second round runs only
+    # where the first round's iterations and that prediction stay under the limit
+    spent = more.details["solves"][0]["iterations"]
+    predicted = spent + peak_rows.GENERATION_GROWTH * spent
+    for limit, second in ((predicted, False), (predicted + 1, True)):
+        monkeypatch.setattr(peak_rows, "GENERATION_MAX_ITERATIONS", limit)
+        got = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
+        got_rows = [s["rows"] for s in got.details["solves"]]
+        assert got_rows[:2] == rows[:2] if second else got_rows == rows[:1]
 
 
 @pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
