@@ -8,6 +8,8 @@ profiler's allocations (+ bytes) and frees (- bytes) are summed in time order.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import re
 import sys
@@ -17,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["quiet_profile", "memory_peak", "storage_bytes", "distinct_storage_bytes", "ALLOCATORS",
+__all__ = ["quiet_profile", "memory_peak", "memory_peaks", "storage_bytes", "distinct_storage_bytes", "ALLOCATORS",
            "CUDA_BLOCK_BYTES", "allocation_bytes"]
 
 # How each device's allocator counts an allocation of n bytes (the memory model a graph is built
@@ -73,9 +75,17 @@ def memory_peak(allocations: Iterable, start_ns: int | None = None, end_ns: int 
     leaves its size behind, and a later block at the same address, allocated outside any profile
     and freed inside one, is reported freed at that stale size. Counted, such frees (of memory the
     profiled code never allocated) would lower the peak by a different amount on every run."""
+    return memory_peaks(allocations, [(start_ns, end_ns)])[0]
+
+
+def memory_peaks(allocations: Iterable, windows: Iterable[tuple[int | None, int | None]]) -> list[int]:
+    """`memory_peak` of each (start_ns, end_ns) window of one profile's `allocations`: the
+    allocations are put in time order and paired with their frees once, not once per window (a
+    trace probes hundreds of ops in one profile)."""
     cpu = sorted((a for a in allocations if a.device == "cpu"), key=lambda a: a.time_ns)  # stable
     blocks: dict[int, int] = {}  # address -> bytes of the block allocated there, while it lives
-    live = peak = 0
+    times: list[int] = []
+    changes: list[int] = []  # each counted allocation's bytes, each counted free's minus its block's
     for a in cpu:
         if a.nbytes > 0:
             blocks[a.ptr] = change = a.nbytes
@@ -83,10 +93,14 @@ def memory_peak(allocations: Iterable, start_ns: int | None = None, end_ns: int 
             change = -blocks.pop(a.ptr)
         else:
             continue
-        if (start_ns is None or a.time_ns >= start_ns) and (end_ns is None or a.time_ns <= end_ns):
-            live += change
-            peak = max(peak, live)
-    return peak
+        times.append(a.time_ns)
+        changes.append(change)
+    peaks = []
+    for start_ns, end_ns in windows:
+        first = 0 if start_ns is None else bisect.bisect_left(times, start_ns)
+        stop = len(times) if end_ns is None else bisect.bisect_right(times, end_ns)
+        peaks.append(max(itertools.accumulate(changes[first:stop], initial=0)))
+    return peaks
 
 
 # Kineto (the profiler's C++ side) writes these two lines to fd 2 at every start and stop, whatever

@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, record_function
 from remat.core.progress import stage
 from remat.graph_capture.rng_replay import probe_callable
 from remat.compat.torch_private import disable_current_modes, profiler_allocations, profiler_events
-from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peak, quiet_profile,
+from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peaks, quiet_profile,
                                            storage_bytes)
 
 __all__ = ["OpProbe", "Case", "Layout", "probe_ops", "default_min_bytes", "tensors_in", "run_cases", "real_args", "real_like",
@@ -278,9 +278,10 @@ def _run_cases(cases: Iterable[Case], device: torch.device, allocator: str, prog
     for e in events:
         if e.name().startswith("remat_probe_"):
             ranges[int(e.name().rsplit("_", 1)[1])] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    for i, (key, out_bytes, storages) in enumerate(ran):
-        if i in ranges:
-            results[key] = (memory_peak(allocations, *ranges[i]) - out_bytes, storages)
+    measured = [i for i in range(len(ran)) if i in ranges]
+    for i, peak in zip(measured, memory_peaks(allocations, [ranges[i] for i in measured])):
+        key, out_bytes, storages = ran[i]
+        results[key] = (peak - out_bytes, storages)
     return results
 
 

@@ -158,6 +158,27 @@ def test_frees_of_blocks_allocated_before_the_measurement_do_not_count():
     assert peak == 5000 * 4
 
 
+def test_each_windows_peak_counts_only_its_own_allocations_and_known_frees():
+    """memory_peaks (one pass for all of a profile's probe windows) gives each window the peak of
+    its own allocations and of the frees of blocks the profile saw allocated, at their sizes, as
+    memory_peak of that window alone does."""
+    from types import SimpleNamespace
+
+    from remat.graph_capture.profiling import memory_peak, memory_peaks
+
+    def event(t, nbytes, ptr, device="cpu"):
+        return SimpleNamespace(time_ns=t, nbytes=nbytes, ptr=ptr, device=device)
+
+    allocations = [event(5, 100, 1), event(12, 50, 2), event(14, -999, 9), event(15, 70, 3), event(16, -100, 1),
+                   event(17, 30, 4), event(18, 4096, 7, "cuda"), event(25, 10, 5), event(26, -50, 2),
+                   event(27, 5, 6), event(30, -10, 5), event(31, 40, 8)]
+    windows = [(10, 20), (20, 30), (0, 4), (None, None), (26, 26)]
+    # (10, 20): +50, a free of a block never seen allocated (skipped), +70, -100, +30 -> 120;
+    # (20, 30): +10, -50 (block 2, allocated before the window), +5, -10 -> 10; nothing in (0, 4)
+    expected = [120, 10, 0, 220, 0]
+    assert memory_peaks(allocations, windows) == expected
+    assert [memory_peak(allocations, *w) for w in windows] == expected
+
 def test_mse_loss_holds_its_real_storage():
     # CPU mse_loss returns the 0-d mean as a view of its elementwise buffer: the loss keeps
     # batch x features x 4 bytes alive, not the 4 bytes of the traced (fake) tensor
