@@ -71,17 +71,9 @@ MULTI_MAX_VARIABLES = 12_000
 # its plan 0.2% cheaper; its second round would prove that, but 1.7% is within certify's 5%).
 GENERATION_ROUNDS = 3
 GENERATION_NEW_ROWS = 1
-# ... and a round after the first only while the rounds before it, and the next one taken as
-# GENERATION_GROWTH times the last, stay under this many simplex iterations (their MILPs' LPs): a work
-# limit on the rounds together (MPNet's round: 11.8k iterations in 4.5 s; RegNet's two at its smallest
-# feasible budget 1.8k and 1.4k, ~1.8 s each). HiGHS cannot stop a MILP at an iteration count (its
-# iteration limit and callbacks do not reach the MILP's LPs), so the next round's work is predicted:
-# each round's MILP, one row larger, took 3.4-11.6 times the iterations of the one before (at their
-# smallest feasible budgets ConvBERT 2.2k, 12.4k, then 90.3k in 20.8 s for a gap of 9.7% -> 7.8%; Mamba
-# 1.8k, 6.1k, then 32.2k in 5.2 s, its chunked head 10.5k, then 39.3k in 7.4 s, neither raising the
-# bound). The one plan of benchmarks/certificates.py's 75 models this changes: T5Gemma's at half its
-# activation memory, whose second round (5.6k, then 64.5k iterations in 15 s) no longer runs: 4.975% ->
-# 5.076% extra (gap 1.2% -> 4.1%, 18.5 -> 3.0 s)
+# ... and a round after the first only while the rounds so far plus the next, taken as GENERATION_GROWTH times
+# the last (each took 3.4-11.6 times the one before; HiGHS cannot stop a MILP at an iteration count), stay under
+# this many simplex iterations (ConvBERT's third round at its smallest budget: 90.3k in 20.8 s, gap 9.7% -> 7.8%)
 GENERATION_MAX_ITERATIONS = 20_000
 GENERATION_GROWTH = 3
 GENERATION_MAX_VARIABLES = 5000
@@ -348,10 +340,9 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             if not missed or done(max(mip_gap, rounds_gap)):
                 break
             spent = sum(s["iterations"] for s in solves)
-            if solves and spent + GENERATION_GROWTH * solves[-1]["iterations"] >= GENERATION_MAX_ITERATIONS:
-                # the first round always runs
-                details["rounds_stopped"] = (f"{spent} simplex iterations, the next round's ~{GENERATION_GROWTH} "
-                                             f"times the last's: at least {GENERATION_MAX_ITERATIONS}")
+            predicted = spent + GENERATION_GROWTH * solves[-1]["iterations"] if solves else 0
+            if solves and predicted >= GENERATION_MAX_ITERATIONS:  # the first round always runs
+                details["rounds_stopped"] = f"{spent} simplex iterations, {predicted} with the next round's predicted"
                 break
             together = sorted(together + missed, key=lambda w: w.step)
             rm = rows_model(graph, together, readers)
