@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from remat.core.errors import RematWarning
 
-__all__ = ["module_hooks", "module_settings", "TracedHooksWarning", "warn_traced_hooks"]
+__all__ = ["module_state", "TracedHooksWarning", "warn_traced_hooks"]
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
@@ -39,13 +39,6 @@ _SKIP = object()
 
 class TracedHooksWarning(RematWarning):
     """The model has module hooks: remat traced them into the planned step."""
-
-
-def module_hooks(model: nn.Module) -> tuple:
-    """The module hooks a call of `model` runs, by handle id: (submodule index, hook kind, ids) for
-    each submodule that has hooks."""
-    return tuple((i, name, tuple(d)) for i, m in enumerate(model.modules())
-                 for name in _HOOK_DICTS if (d := m.__dict__.get(name)))
 
 
 def _plain(v):
@@ -69,24 +62,30 @@ def _holds_settings(v) -> bool:
             and type(v).__module__ != "builtins")
 
 
-def module_settings(model: nn.Module) -> tuple:
-    """The plain values of every submodule's attributes but bookkeeping, and all plain attribute
-    values of the objects they hold under public names (one level: a Hugging Face config shared by
-    every layer counts once, its `_attn_implementation` included)."""
-    out: list[tuple] = []
+def module_state(model: nn.Module) -> tuple[tuple, tuple]:
+    """(hooks, settings) of `model`, read in one walk over its submodules (a call's key reads both at
+    every call). hooks: the module hooks a call runs, by handle id, as (submodule index, hook kind,
+    ids) for each submodule that has some. settings: the plain values of every submodule's
+    attributes but bookkeeping, and all plain attribute values of the objects they hold under public
+    names (one level: a Hugging Face config shared by every layer counts once, its
+    `_attn_implementation` included)."""
+    hooks: list[tuple] = []
+    settings: list[tuple] = []
     seen: set[int] = set()
     for i, m in enumerate(model.modules()):
-        for name, v in m.__dict__.items():
+        attributes = m.__dict__
+        hooks.extend((i, name, tuple(d)) for name in _HOOK_DICTS if (d := attributes.get(name)))
+        for name, v in attributes.items():
             if name in _MODULE_OWN or name.startswith(_WRAPPER_FLAGS):
                 continue
             p = _plain(v)
             if p is not _SKIP:
-                out.append((i, name, p))
+                settings.append((i, name, p))
             # an object held under a private name is a wrapper's state (FSDP2's, accelerate's hook)
             elif not name.startswith("_") and _holds_settings(v) and id(v) not in seen:
                 seen.add(id(v))
-                out.extend((i, name, k, q) for k, x in vars(v).items() if (q := _plain(x)) is not _SKIP)
-    return tuple(out)
+                settings.extend((i, name, k, q) for k, x in vars(v).items() if (q := _plain(x)) is not _SKIP)
+    return tuple(hooks), tuple(settings)
 
 
 def warn_traced_hooks(model: nn.Module) -> None:

@@ -35,7 +35,7 @@ from remat.core.errors import RematWarning
 from remat.compat.torch_private import pytree
 from remat.graph_capture.autocast_state import AutocastState
 from remat.graph_capture.joint import FlatSignature
-from remat.runtime.call_state import module_hooks, module_settings
+from remat.runtime.call_state import module_state
 from remat.core.training_graph import TrainingGraph
 from remat.runtime.compile import PlannedGraphs
 from remat.core.plan import Plan
@@ -105,8 +105,8 @@ def call_key(model: nn.Module, args: tuple, kwargs: dict,
             parts.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad, layout))
         else:
             parts.append(_value_key(x))
-    return (spec, tuple(parts), _modes(model), _frozen(model), AutocastState.current(types), module_hooks(model),
-            module_settings(model)), tensors
+    hooks, settings = module_state(model)
+    return (spec, tuple(parts), _modes(model), _frozen(model), AutocastState.current(types), hooks, settings), tensors
 
 
 def describe_key(key: CallKey) -> str:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.runtime.call_state import TracedHooksWarning, module_settings
+from remat.runtime.call_state import TracedHooksWarning, module_state
 
 
 def _mlp():
@@ -143,7 +143,7 @@ def test_settings_the_forward_changes_while_traced_do_not_trace_every_call():
     for _ in range(3):
         opt(x).sum().backward()
     assert len(opt.plan_log) == 1
-    assert ("calls" in {s[1] for s in module_settings(model)})
+    assert ("calls" in {s[1] for s in module_state(model)[1]})
 
 
 def test_a_channels_last_batch_after_contiguous_ones():
