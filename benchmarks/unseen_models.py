@@ -12,7 +12,8 @@ plain tensor attribute, made a buffer here as remat's TraceError says), Blenderb
 Data2Vec-Vision, LED (Longformer's encoder-decoder, added later: planned block by block, its blocks
 traced twice, which a fake-tensor cache had made differ), and later still a 2-layer LSTM with dropout
 between its layers (which the traced step had dropped) and Llama checkpointing its own layers
-(gradient_checkpointing_enable, use_reentrant=False), then a bidirectional GRU: small configs (width 64, 2-3 layers,
+(gradient_checkpointing_enable, use_reentrant=False), then a bidirectional GRU, then Falcon-Mamba (Mamba with
+RMS-normalised state-space parameters, 64 tokens): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -157,6 +158,9 @@ def _models() -> dict:
         "gru": lambda: (GRUTagger(), dict(input_ids=ids, labels=ids)),
         "gru_short": lambda: (GRUTagger(), dict(input_ids=ids[:, :8], labels=ids[:, :8])),  # 8 steps
         "llama_checkpointed": llama_checkpointed,
+        "falcon_mamba": lambda: (tf.FalconMambaForCausalLM(tf.FalconMambaConfig(vocab_size=V, hidden_size=W, state_size=8,
+                                                                                num_hidden_layers=2, pad_token_id=0)),
+                                 dict(input_ids=ids, labels=ids, use_cache=False)),
     }
 
 
@@ -166,7 +170,7 @@ def _models() -> dict:
 BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
-          "llama_checkpointed", "gru", "gru_short", "lstm_short")
+          "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba")
 
 
 def _loss(out):

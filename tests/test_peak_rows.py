@@ -391,6 +391,50 @@ def test_a_graph_too_large_for_the_relaxation_goes_on_with_the_rows_a_plan_misse
     assert simulate(g, plan.schedule).peak_bytes <= budget and plan.extra_cost >= optimum - 1e-9
 
 
+@pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
+def test_the_rounds_run_before_the_certified_search_where_their_first_is_predicted_cheap(n, seed, budget,
+                                                                                       monkeypatch):
+    """On a relaxation over MIP_MAX_VARIABLES, where the rounds' first MILP is predicted within
+    ROUNDS_FIRST_MAX_ITERATIONS they run before the certified search, and where they prove the plan
+    within SKIP_SEARCH_GAP the search does not run; where they leave more, it runs after them (and
+    they do not run again); where the first is predicted dearer, or the relaxation is small, the
+    search runs first, as before. Each way the bound is within the brute force's optimum and the
+    plan fits."""
+    import remat.solver.checkmate.certify as certify
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    together = [s for s in first.details["solves"] if s["integral"] and s["rows"] > 1][-1]
+    predicted = peak_rows.GENERATION_GROWTH * together["iterations"]
+
+    def solved(first_limit: int, gap: float, large: bool = True):
+        monkeypatch.setattr(certify, "ROUNDS_FIRST_MAX_ITERATIONS", first_limit)
+        monkeypatch.setattr(certify, "SKIP_SEARCH_GAP", gap)
+        monkeypatch.setattr(certify, "MIP_MAX_VARIABLES", 0 if large else 10**9)
+        plan = checkmate.solve(g, budget, milp="never")
+        assert first.bound <= plan.lower_bound <= optimum + 1e-9 and plan.extra_cost >= optimum - 1e-9
+        assert simulate(g, plan.schedule).peak_bytes <= budget
+        return plan.details
+
+    def rounds_of(d):  # what each round solved (not its seconds)
+        return [(x["rows"], x["variables"], x["iterations"], x.get("bound")) for x in d["peak_rows"]["more_rows"]["solves"]]
+
+    d = solved(predicted, 1.0)  # first, and within any gap: no certified search
+    assert "certify" not in d and "rows' rounds prove the plan within" in d["certify_skipped"]
+    rounds = rounds_of(d)
+    assert rounds and d["bound_source"].endswith("with the rows their plans miss")
+    d = solved(predicted, -1.0)  # first, and never within the gap: the search runs after them, they do not again
+    assert "certify" in d and rounds_of(d) == rounds
+    d = solved(predicted - 1, 1.0)  # predicted dearer: the search first, whatever the gap
+    assert "certify" in d and "rows' rounds prove" not in str(d.get("certify_skipped"))
+    d = solved(predicted, 1.0, large=False)  # a small relaxation: the search first, whatever the gap
+    assert "certify" in d and "rows' rounds prove" not in str(d.get("certify_skipped"))
+
+
 def test_the_rows_search_goes_on_while_it_has_no_plan(monkeypatch):
     """With no incumbent and a first MILP whose plan cannot be made to fit, the search is not done
     (an infinite best minus any bound is no gap within mip_gap): it goes on to the next rows'

@@ -125,12 +125,13 @@ class CertifiedResult:
 
 def certified_search(graph: TrainingGraph, budget: int, *, starts: list[tuple[str, list[str]]] = (),
                      mip_gap: float = 1e-4, max_iterations: int | None = None,
-                     time_limit_s: float | None = None, relaxation: dict | None = None,
+                     time_limit_s: float | None = None, relaxation: Relaxation | None = None,
                      other_bound: float = 0.0) -> CertifiedResult:
     """Plans and a lower bound for `graph` under `budget` (see the module docstring). starts:
     (name, schedule) plans to begin with (those over the budget are ignored). other_bound: a bound
     proved otherwise (cost units, the peak rows'): where the root LP is far under it
-    (ROOT_UNDER_OTHER_BOUND), the root's plans are read and there is no branching."""
+    (ROOT_UNDER_OTHER_BOUND), the root's plans are read and there is no branching. relaxation: the
+    relaxation of `graph` under `budget` where the caller built it (else it is built here)."""
     with stage(f"checkmate: certified search ({len(graph.nodes)} nodes)", unit="LP") as progress:
         return _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxation, progress, other_bound)
 
@@ -138,10 +139,11 @@ def certified_search(graph: TrainingGraph, budget: int, *, starts: list[tuple[st
 def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxation, progress,
             other_bound=0.0) -> CertifiedResult:
     t0 = time.perf_counter()
-    rel = Relaxation(graph, budget, **(relaxation or {}))
+    rel = relaxation if relaxation is not None else Relaxation(graph, budget)
+    built_s = None if relaxation is not None else round(time.perf_counter() - t0, 3)  # the caller's to say
     progress.note(vars=rel.model.num_vars, rows=rel.model.num_rows)
     details = {"relaxation": {"variables": rel.model.num_vars, "rows": rel.model.num_rows, "dense": rel.dense,
-                              "groups": len(rel.groups), "build_s": round(time.perf_counter() - t0, 3)}}
+                              "groups": len(rel.groups), "build_s": built_s}}
     best: list = [None, math.inf, None]  # schedule, extra cost, source
     for name, sched in starts:
         sim = simulate(graph, sched)

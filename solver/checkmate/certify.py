@@ -12,6 +12,10 @@ MILP with the rows that MILP's plan misses (peak_rows.py), a row a round until t
 MORE_ROWS_GAP, where that MILP is small enough; on a graph too large for the relaxation, right
 after the rows (UMT5, 1,278 nodes, at half its activation memory: a plan 11.38% -> 8.97% extra,
 gap 39.9% -> 23.5%, for ~2 s; Mistral-7B-like at its smallest feasible budget: 0.686% -> 0.640%).
+
+On a relaxation over MIP_MAX_VARIABLES those rounds run before the certified search where their
+first is predicted cheap (ROUNDS_FIRST_MAX_ITERATIONS), and where they prove the plan within
+SKIP_SEARCH_GAP the certified search does not run.
 """
 from __future__ import annotations
 
@@ -22,10 +26,13 @@ from dataclasses import dataclass, field
 from remat.core.simulator import simulate
 from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.candidates import Refined
-from remat.solver.checkmate.certified_search import RELAXATION_MAX_NODES, certified_search
-from remat.solver.checkmate.peak_rows import peak_rows_search
+from remat.solver.checkmate.certified_search import MIP_MAX_VARIABLES, RELAXATION_MAX_NODES, certified_search
+from remat.solver.checkmate.relaxation import Relaxation
+from remat.solver.checkmate.peak_rows import (GENERATION_GROWTH, GENERATION_MAX_ITERATIONS, PeakRowsResult,
+                                              peak_rows_search)
 
-__all__ = ["Certificate", "certify", "ROWS_SOURCE", "MORE_ROWS_GAP"]
+__all__ = ["Certificate", "certify", "ROWS_SOURCE", "MORE_ROWS_GAP", "ROUNDS_FIRST_MAX_ITERATIONS",
+           "SKIP_SEARCH_GAP"]
 
 ROWS_SOURCE = "peak rows: the row models of the steps keep-all puts over the budget"
 # where the certified search leaves a gap over this, the rows' search goes on, adding the rows its
@@ -33,6 +40,22 @@ ROWS_SOURCE = "peak rows: the row models of the steps keep-all puts over the bud
 # gap 6.8% -> 0%)
 TINY = 1e-12
 MORE_ROWS_GAP = 0.05
+# The rounds run before the certified search where the first is predicted (GENERATION_GROWTH times
+# the several rows' MILP's simplex iterations) within half the rounds' work limit: they are the
+# cheaper of the two there, and often close the gap that search leaves (Falcon-Mamba, 616 nodes,
+# at half its activation memory: the search 17.6 s at its work limit with a gap of 15.7%, then the
+# rounds 14.2 s to 0.01%; first, the rounds alone: 14.2 s). Where the first is predicted dearer
+# the search runs first, as the rounds may not close the gap: Gemma-2's (predicted 11.9k, 15.6k
+# iterations, 6.4 s) leaves it at 7.8%, the search's own is 2.7%.
+ROUNDS_FIRST_MAX_ITERATIONS = GENERATION_MAX_ITERATIONS // 2
+# Where the rounds that ran first prove the plan within this gap, the certified search does not
+# run: it could make the plan that much cheaper at most. At half the activation memory of the
+# models of benchmarks/certificates.py, where the rounds proved a plan within 2% the search never
+# found a cheaper one (T5: the rounds 6.488% extra, gap 1.0%, in 7.5 s; the search 6.509%, gap
+# 4.0%, in 11.7 s); over it, it did (Llama: 5.653% -> 5.550% from a gap of 3.5%, ResNet-50: 3.698%
+# -> 3.565% from 4.9%). Not where the rows alone prove it (without rounds): the search found
+# cheaper plans there (BART: 7.938% -> 7.905% from a gap of 1.5%).
+SKIP_SEARCH_GAP = 0.02
 
 
 @dataclass(frozen=True)
@@ -117,21 +140,47 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
                    "(millions of variables and GBs at this size)")
         bound, source = more_rows(rows.bound, ROWS_SOURCE)
         return Certificate(bound, False, plans, rows.details, bound_source=source, certify_skipped=skipped)
+    t0 = time.perf_counter()
+    rel = Relaxation(graph, budget_bytes)
+    built_s = round(time.perf_counter() - t0, 3)
+    bound, source = rows.bound, ROWS_SOURCE
+    # on a relaxation up to MIP_MAX_VARIABLES the search ends in HiGHS's MILP of it, which proves
+    # the optimum where the rows prove their rows only (MobileNet at half its activation memory: the
+    # search 3.951% extra, optimal, in 4.0 s; the rounds first 3.971%, gap 1.8%): there it runs first
+    large = rel.model.num_vars > MIP_MAX_VARIABLES
+    first = large and _first_round_predicted(rows) <= ROUNDS_FIRST_MAX_ITERATIONS
+    if first:
+        bound, source = more_rows(bound, source)
+        best = best_cost(known)
+        if "more_rows" in rows.details and best - bound <= SKIP_SEARCH_GAP * best + TINY:
+            return Certificate(bound, False, plans, rows.details, bound_source=source,
+                               certify_skipped=f"the rows' rounds prove the plan within {SKIP_SEARCH_GAP:.0%} of "
+                                               f"optimal (the relaxation: {rel.model.num_vars} variables)")
     left = None if deadline is None else max(0.5, deadline - time.perf_counter())
+    # the rows' own bound, not their rounds': where the root LP is far under it the search reads the
+    # root's plans and does not branch (certified_search.ROOT_UNDER_OTHER_BOUND, set on that bound)
     res = certified_search(graph, budget_bytes, starts=[(n, r.schedule) for n, r in known.items()],
                            mip_gap=mip_gap, max_iterations=max_iterations, time_limit_s=left,
-                           other_bound=rows.bound)
+                           other_bound=rows.bound, relaxation=rel)
     search = dict(res.details)
+    search["relaxation"]["build_s"] = built_s
     if res.schedule is not None and search.get("plan_source") == "relaxation":
         plans["relaxation"] = Refined(res.schedule, simulate(graph, res.schedule))
     # the search's own words say which relaxation and how many LPs, unless the rows' bound is higher
-    source = search.pop("bound_source", None)
+    search_source = search.pop("bound_source", None)
     skipped = search.pop("certify_skipped", None)
     if math.isinf(res.bound):
-        return Certificate(res.bound, True, plans, rows.details, search, source, skipped)
-    if rows.bound > res.bound:
-        source = ROWS_SOURCE
-    bound = max(res.bound, rows.bound)
+        return Certificate(res.bound, True, plans, rows.details, search, search_source, skipped)
+    if res.bound >= bound:
+        bound, source = res.bound, search_source
     known.update(plans)
-    bound, source = more_rows(bound, source)
+    if not first:
+        bound, source = more_rows(bound, source)
     return Certificate(bound, False, plans, rows.details, search, source, skipped)
+
+
+def _first_round_predicted(rows: PeakRowsResult) -> float:
+    """The simplex iterations the rounds' first MILP is predicted to take: GENERATION_GROWTH times
+    those of the several rows' MILP it extends by a row (math.inf where there is none)."""
+    together = [s for s in rows.details.get("solves", []) if s["integral"] and s["rows"] > 1]
+    return GENERATION_GROWTH * together[-1]["iterations"] if together and rows.together is not None else math.inf
