@@ -409,6 +409,7 @@ def test_the_rounds_run_before_the_certified_search_where_their_first_is_predict
     monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
     first = peak_rows_search(g, budget, mip_gap=1e-4)
     together = [s for s in first.details["solves"] if s["integral"] and s["rows"] > 1][-1]
+    assert first.together[2] == together["iterations"]  # the MILP the rounds go on from
     predicted = peak_rows.GENERATION_GROWTH * together["iterations"]
 
     def solved(first_limit: int, gap: float, large: bool = True):

@@ -182,5 +182,4 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
 def _first_round_predicted(rows: PeakRowsResult) -> float:
     """The simplex iterations the rounds' first MILP is predicted to take: GENERATION_GROWTH times
     those of the several rows' MILP it extends by a row (math.inf where there is none)."""
-    together = [s for s in rows.details.get("solves", []) if s["integral"] and s["rows"] > 1]
-    return GENERATION_GROWTH * together[-1]["iterations"] if together and rows.together is not None else math.inf
+    return math.inf if rows.together is None else GENERATION_GROWTH * rows.together[2]

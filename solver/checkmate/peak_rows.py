@@ -115,7 +115,7 @@ class PeakRowsResult:
     schedule: list[str] | None
     extra_cost: float
     details: dict = field(default_factory=dict)
-    together: tuple | None = None  # the last several rows' MILP: (its rows' steps, its solution's drops), to go on from
+    together: tuple | None = None  # the last several rows' MILP (rows' steps, drops, simplex iterations), to go on from
 
 
 def _chosen_rows(rows: list[Row], limit: int) -> list[Row]:
@@ -294,7 +294,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             facts.update(plan=f"{100 * best / total:.3f}%", gap=f"{100 * (best - found['bound']) / max(best, 1e-12):.2f}%")
         progress.note(**facts)
         if drops is not None and len(rm.rows) > 1:
-            found["together"] = (tuple(w.step for w in rm.rows), drops)
+            found["together"] = (tuple(w.step for w in rm.rows), drops, sol.iterations)
         return bound, drops
 
     def done(gap: float = mip_gap) -> bool:
@@ -333,7 +333,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
 
     if more_rows_from is not None and more_rows_from.together is not None:
         by_step = {w.step: w for w in rows}
-        steps, drops = more_rows_from.together
+        steps, drops, _ = more_rows_from.together
         together = [by_step[t] for t in steps]
         for _ in range(GENERATION_ROUNDS):
             missed = _rows_it_misses(graph, drops, {w.step for w in together}, budget, by_step)
