@@ -276,6 +276,50 @@ def test_no_branching_where_the_root_lp_is_far_under_a_bound_proved_otherwise(mo
     assert near.details["certify"]["lps"] == large.details["certify"]["lps"] > 1 and near.bound == large.bound
 
 
+
+def test_no_branching_where_no_plan_read_off_the_root_fits(monkeypatch):
+    """Where no plan read off the root's solution fits (here: the reads made to find none), the
+    certified search of a relaxation over MIP_MAX_VARIABLES does not branch: its plan is the start
+    it was given, its bound the root LP's, within the brute-force optimum. On a smaller relaxation,
+    where the root's read gives a plan, and where no start fits, it branches."""
+    from remat.solver.checkmate import certified_search
+
+    g = training_chain(10, 4)
+    budget = brute_force(g, None, objective="peak")[0] + 1
+    optimum = brute_force(g, budget)[0] - g.total_cost
+    start = [("lowest peak", brute_force(g, None, objective="peak")[1])]
+    reads = {"n": 0}
+    real = certified_search.best_guided
+
+    def none_at_the_root(*args, **kwargs):
+        reads["n"] += 1
+        return None if reads["n"] == 1 else real(*args, **kwargs)
+
+    for large in (True, False):
+        reads["n"] = 0
+        with monkeypatch.context() as m:
+            m.setattr(certified_search, "best_guided", none_at_the_root)
+            m.setattr(certified_search, "exchanged_plan", lambda *a, **k: None)
+            if large:
+                m.setattr(certified_search, "MIP_MAX_VARIABLES", 0)
+            res = certified_search.certified_search(g, budget, starts=start)
+        cert = res.details["certify"]
+        if large:
+            assert cert["stopped_by"] == certified_search.NO_PLAN_AT_ROOT and cert["lps"] == 1
+            assert res.schedule == start[0][1] and reads["n"] == 1
+        else:
+            assert cert["stopped_by"] != certified_search.NO_PLAN_AT_ROOT and cert["lps"] > 1
+        assert simulate(g, res.schedule).peak_bytes <= budget and res.bound <= optimum + 1e-9
+    with monkeypatch.context() as m:  # the root's read gives a plan: it branches
+        m.setattr(certified_search, "MIP_MAX_VARIABLES", 0)
+        res = certified_search.certified_search(g, budget, starts=start)
+        assert res.details["certify"]["stopped_by"] != certified_search.NO_PLAN_AT_ROOT
+        reads["n"] = 0  # no start: branching is the only way to a plan
+        m.setattr(certified_search, "best_guided", none_at_the_root)
+        alone = certified_search.certified_search(g, budget)
+    assert alone.details["certify"]["lps"] > 1 and alone.bound <= optimum + 1e-9
+
+
 FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]
 
 

@@ -62,7 +62,8 @@ class Certificate:
     iterations: int
     seconds: float
     stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit",
-    # "root LP limit" (the root LP did not finish within its limits: no bound), "under the floor" (no branching)
+    # "root LP limit" (the root LP did not finish within its limits: no bound), "under the floor" (no branching),
+    # or the reason `root_stop` gave (no branching)
     x: np.ndarray | None = None
     infeasible: bool = False
     log: list = field(default_factory=list)
@@ -81,7 +82,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
             time_limit_s: float | None = None, on_solution=None, on_lp=None,
             root_iterations: int | None = None, on_simplex=None, floor: float | None = None,
-            known_bound: float = -math.inf, good_gap: float = 0.0, patience: int = 0) -> Certificate:
+            known_bound: float = -math.inf, good_gap: float = 0.0, patience: int = 0,
+            root_stop=None) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's, never
@@ -93,7 +95,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     this (model units), no branching (stopped_by "under the floor"). known_bound: a bound proved
     otherwise (model units): the gap the search stops at is the incumbent's over the larger of its
     own bound and this one. good_gap: it also stops (stopped_by "good gap") once that gap is within
-    good_gap and `patience` LPs have passed since the incumbent last improved."""
+    good_gap and `patience` LPs have passed since the incumbent last improved. root_stop(), if
+    given, is asked after the root's solution was offered: a reason (stopped_by) not to branch, or None."""
     import highspy
 
     t0 = time.perf_counter()
@@ -157,6 +160,9 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
         incumbent = min(incumbent, on_solution(x, root))
     if floor is not None and root < floor:
         return Certificate(min(root, incumbent), root, 1, iters, time.perf_counter() - t0, "under the floor", x)
+    reason = root_stop() if root_stop is not None else None
+    if reason is not None:
+        return Certificate(min(root, incumbent), root, 1, iters, time.perf_counter() - t0, reason, x)
     heap = [(root, 0, ({}, {}), x)]
     count, lps, stopped = 1, 1, "proved"
     last_rise = [root, 1]  # the best bound so far and the LP count when it last rose

@@ -6,7 +6,8 @@ the incumbent) is turned into plans (solver/checkmate/guided.py: thresholds, mad
 cheapest plan that fits is the incumbent, which prunes the search. The search stops when the
 bound is within `mip_gap` of the incumbent, when its deterministic work limits are spent (simplex
 iterations: at most WORK_FACTOR root LPs' worth and WORK_ROWS / rows; and MAX_LPS LPs), or at the
-wall-clock deadline if one is given. The plans given as `starts` (the other strategies' plans,
+wall-clock deadline if one is given; it does not branch where no plan read off the root's solution
+fits (NO_PLAN_AT_ROOT, on large relaxations). The plans given as `starts` (the other strategies' plans,
 refined) are incumbents from the start. Where that search stops short of its gap on a small
 relaxation (MIP_MAX_VARIABLES), HiGHS solves the relaxation as a MILP from the incumbent's point:
 its dual bound and the plans read off its solution.
@@ -30,7 +31,7 @@ from remat.core.simulator import simulate
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "ROOT_UNDER_OTHER_BOUND", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
            "ROOT_WORK_ROWS", "ROOT_MIN_ITERATIONS", "ROOT_EXCHANGE_GAP", "RELAXATION_MAX_NODES", "RELAXATION_MAX_VARIABLES",
            "MIP_MAX_VARIABLES", "MIP_MAX_NODES", "ROOT_CUTS_GAP", "ROOT_CUTS_MAX_VARIABLES", "ROOT_CUTS_STALL",
-           "ROOT_CUTS_MAX_S", "ROOT_CUTS_MIP_GAP", "GOOD_GAP", "GOOD_GAP_PATIENCE"]
+           "ROOT_CUTS_MAX_S", "ROOT_CUTS_MIP_GAP", "GOOD_GAP", "GOOD_GAP_PATIENCE", "NO_PLAN_AT_ROOT"]
 
 PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 # Where the root LP's value is this far (relative) under a bound proved otherwise (the peak rows'),
@@ -45,6 +46,15 @@ PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 # over MIP_MAX_VARIABLES: on smaller ones branching is cheap, and where it stalls HiGHS's MILP can
 # close the gap (the brute-force chains of tests/test_solver_scale.py are proved optimal so).
 ROOT_UNDER_OTHER_BOUND = 0.035
+# Where no plan read off the root's solution fits (the thresholds' and the exchange search's) but a
+# plan given as a start does, there is no branching. On relaxations over MIP_MAX_VARIABLES at the
+# smallest feasible budgets of the 79 models of benchmarks/certificates.py and unseen_models.py,
+# that happened on Mamba and Falcon-Mamba only, whose branching then read no plan off any of its LPs
+# either (10 and 28 s at its work limit) and raised the bound by a point of a ~50% gap (through
+# `remat.optimize` at those budgets: 47 -> 29 s and 97 -> 56 s); at half the activation memory
+# every root read of the 79 gave a plan. On smaller relaxations branching is cheap and HiGHS's MILP may
+# follow (U-Net at its smallest budget: no plan at the root, two from later LPs)
+NO_PLAN_AT_ROOT = "no plan at the root"
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
 # The exchange search (solver/checkmate/exchange.py) improves a plan of the last reads; of the
 # root's read too where its best plan is this far above the root LP's value, relative to the plan:
@@ -227,14 +237,19 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         else:
             progress.note(lp_iterations=iterations)
 
+    large = rel.model.num_vars > MIP_MAX_VARIABLES
+
+    def root_stop() -> str | None:
+        # (without a plan to start from, branching is the only way to one: the lowest peak's descent)
+        return NO_PLAN_AT_ROOT if large and not plans_log and math.isfinite(best[1]) else None
+
     cert = certify(rel, incumbent=best[1] / cs, target_gap=mip_gap, max_iterations=max_iterations,
                    work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution,
                    on_lp=on_lp, root_iterations=root_iterations, on_simplex=on_simplex,
                    floor=(other_bound * (1 - ROOT_UNDER_OTHER_BOUND) / cs
-                          if other_bound > 0 and rel.model.num_vars > MIP_MAX_VARIABLES else None),
+                          if other_bound > 0 and large else None),
                    known_bound=other_bound / cs if other_bound > 0 else -math.inf,
-                   good_gap=GOOD_GAP if rel.model.num_vars > MIP_MAX_VARIABLES else 0.0,
-                   patience=GOOD_GAP_PATIENCE)
+                   good_gap=GOOD_GAP if large else 0.0, patience=GOOD_GAP_PATIENCE, root_stop=root_stop)
     if cert.infeasible:
         details["infeasible_row"] = None
         return CertifiedResult(None, math.inf, math.inf, details)
