@@ -79,7 +79,7 @@ from remat.solver.checkmate.peak_rows import peak_floor
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
 from remat.core.simulator import ScheduleError, simulate
 from remat.loss_head.router import chunked_loss_mode
-from remat.solving import infeasible_budget, smallest_feasible, solve, strategy_options
+from remat.solving import infeasible_budget, smallest_feasible_of_each, solve, strategy_options
 
 __all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
            "REUSE_TIGHTNESS", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
@@ -364,13 +364,15 @@ class StepPlanner:
             chunked = None  # no head the router could take: the same step as the model's
         if plain is None and chunked is None:
             # neither fits: the smallest budget either head reaches, searched now on the graphs
-            # traced above (each head traced once: a trace costs seconds, Funnel's ~5 s each); a head
+            # traced above (each head traced once: a trace costs seconds, Funnel's ~5 s each), the
+            # two at once (solving.smallest_feasible_of_each); a head
             # whose lowest-peak plan fits after all is planned (its solve falls back to that plan)
             heads = [c for c in (False, True) if c in traced and (not c or has_chunked_head(traced[c]))]
             if not heads:  # no graph got as far as planning: the step's own search, as for one head
                 return step(False)
             with progress.quiet(o.quiet):
-                smallest = {c: smallest_feasible(traced[c], o.solver, o.time_limit_s, **o.solver_kwargs) for c in heads}
+                smallest = smallest_feasible_of_each({c: traced[c] for c in heads}, o.solver, o.time_limit_s,
+                                                     **o.solver_kwargs)
             best = min(heads, key=lambda c: (smallest[c], c))
             if smallest[best] <= limit:
                 return step(best)

@@ -467,6 +467,54 @@ def test_under_both_heads_smallest_budgets_each_head_is_traced_once_and_the_smal
     assert opt.plan.predicted_peak_bytes <= want
 
 
+
+def test_the_heads_smallest_budgets_are_searched_at_once_in_the_callers_context(monkeypatch):
+    """smallest_feasible_of_each runs each graph's search in a thread of its own, at the same
+    time (both wait for each other), in the caller's context (progress silenced there is silenced
+    in them); its answers are smallest_feasible's; a search's error reaches the caller. With
+    another HiGHS thread count than one, the searches run one after the other."""
+    import threading
+
+    from collections import OrderedDict
+
+    import remat.solving as solving
+    from remat.core import progress
+    from remat.solver.checkmate import lowest_peak
+
+    torch.manual_seed(0)
+    model, args = Wide(512), (torch.randn(256, 64), torch.randint(0, 512, (256,)))
+    graphs = {False: remat.capture(model, args, quiet=True), True: remat.capture(model, args, chunked_loss=True,
+                                                                                   quiet=True)}
+    alone = {c: solving.smallest_feasible(g, "checkmate") for c, g in graphs.items()}
+    real, met, seen = solving.smallest_feasible, threading.Barrier(2, timeout=30), []
+
+    def meeting(graph, *a, **k):
+        met.wait()  # broken (an error) unless the other search is running too
+        seen.append((threading.current_thread() is not threading.main_thread(), progress.is_quiet()))
+        return real(graph, *a, **k)
+
+    monkeypatch.setattr(solving, "smallest_feasible", meeting)
+    monkeypatch.setattr(lowest_peak, "_LOWEST", OrderedDict())  # searched again, not read from the cache
+    with progress.quiet(True):
+        assert solving.smallest_feasible_of_each(graphs, "checkmate") == alone
+    assert seen == [(True, True)] * 2
+
+    def where(graph, *a, **k):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return 0
+
+    seen.clear()  # another HiGHS thread count than one: one after the other, here
+    monkeypatch.setattr(solving, "smallest_feasible", where)
+    assert solving.smallest_feasible_of_each(graphs, "checkmate", threads=2) == {False: 0, True: 0}
+    assert seen == [True, True]
+
+    def failing(graph, *a, **k):
+        raise RuntimeError("no search")
+
+    monkeypatch.setattr(solving, "smallest_feasible", failing)
+    with pytest.raises(RuntimeError, match="no search"):
+        solving.smallest_feasible_of_each(graphs, "checkmate")
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_dh_accumulation_on_cuda_equals_the_upcast_gemm():
     """The backward's dh, accumulated by a 16-bit GEMM adding float32 products in its epilogue,
