@@ -71,10 +71,15 @@ def smallest_feasible_of_each(graphs: dict, solver: str, time_limit_s: float | N
     which is not safe while another thread solves."""
     if len(graphs) < 2 or solver_kwargs.get("threads", 1) != 1:
         return {k: smallest_feasible(g, solver, time_limit_s, **solver_kwargs) for k, g in graphs.items()}
-    with ThreadPoolExecutor(len(graphs), thread_name_prefix="remat-smallest") as pool:
+    pool = ThreadPoolExecutor(len(graphs), thread_name_prefix="remat-smallest")
+    try:
         futures = {k: pool.submit(contextvars.copy_context().run, smallest_feasible, g, solver, time_limit_s,
                                   **solver_kwargs) for k, g in graphs.items()}
         return {k: f.result() for k, f in futures.items()}
+    finally:
+        # not waited for: an interrupt (Ctrl+C) or a search's error returns at once, the other
+        # search finishing in its thread, unread (HiGHS cannot be stopped inside an LP)
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def strategy_options(solver: str, time_limit_s: float | None, solver_kwargs: dict):
