@@ -79,23 +79,6 @@ def test_the_relaxation_bisection_runs_only_above_the_floor(monkeypatch):
     assert calls == [chain] and plan.details["peak_lower_bound"] <= peak <= es
 
 
-@pytest.mark.parametrize("make", [lambda: transformer_like(4, 1), lambda: training_chain(30, 3),
-                                  lambda: random_dag(40, 5)])
-def test_the_lowest_peak_is_at_most_the_rows_low_peak_schedule_relieved(make):
-    """The rows' low-peak schedule, its peak relieved, is a candidate of min_feasible_budget on
-    graphs the relaxation serves too: the answer peaks no higher, the candidates name it, and the
-    plan fits its own peak."""
-    from remat.solver.checkmate import lowest_peak
-    from remat.solver.checkmate.peak_rows import lowest_peak_by_rows
-
-    g = make()
-    assert len(g.nodes) <= lowest_peak.RELAXATION_MAX_NODES
-    rows = simulate(g, relieve_peak(g, lowest_peak_by_rows(g)[0])).peak_bytes
-    peak, plan = min_feasible_budget(g, return_plan=True)
-    assert peak <= rows and "rows" in plan.details["lowest_peak_candidates"]
-    assert plan.details["lowest_peak_candidates"]["rows"] <= rows
-    assert simulate(g, plan.schedule).peak_bytes == peak >= plan.details["peak_lower_bound"]
-
 def test_budget_probes_solve_the_relaxation_at_each_budget():
     """BudgetProbe (one relaxation moved from budget to budget, each LP started from the last
     one's basis) answers what a relaxation built at that budget answers: nothing fits by the rows,

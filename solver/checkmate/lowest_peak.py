@@ -3,11 +3,11 @@ bound on any plan's peak.
 
 Candidates, whichever peaks lowest on the fine graph: equal_spacing's lowest-peak plan, on small
 coarse graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
-minimise M), the rows' low-peak schedule (solver/checkmate/peak_rows.py `lowest_peak_by_rows`), each
-with its peak then lowered by local moves (solver/checkmate/peak_relief.py), and where the first two
-stay more than CLOSE_TO_FLOOR above the rows' floor the relaxation's low-peak schedule
-(solver/checkmate/guided.py `lowest_peak_search`; not on graphs over RELAXATION_MAX_NODES nodes); on
-graphs up to DESCEND_MAX_NODES nodes the certified search then tries to go lower.
+minimise M), each with its peak then lowered by local moves (solver/checkmate/peak_relief.py), and where
+those stay more than CLOSE_TO_FLOOR above the rows' floor the relaxation's low-peak schedule
+(solver/checkmate/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the rows'
+instead, solver/checkmate/peak_rows.py `lowest_peak_by_rows`); on graphs up to DESCEND_MAX_NODES nodes the
+certified search then tries to go lower.
 plan.details["peak_lower_bound"] is the rows' floor, or the relaxation's bound where it ran and
 is higher: no schedule whose first computations follow the graph's order peaks below it, so a
 budget under it is infeasible as a fact. Cached per graph (equal graphs alike: TrainingGraph's
@@ -62,9 +62,9 @@ CACHED_PROBLEMS = 8
 
 def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | None, limits: Limits,
                      deadline: float | None = None) -> Plan:
-    """The lowest-peak plan known: of the min-peak MILP's (small coarse graphs), equal_spacing's,
-    the rows' and (when the first two stay more than CLOSE_TO_FLOOR above the rows' floor) the
-    relaxation's lowest-peak plans, each with its peak relieved, and the certified search's (small graphs, when
+    """The lowest-peak plan known: of the min-peak MILP's (small coarse graphs), equal_spacing's
+    and (when those stay more than CLOSE_TO_FLOOR above the rows' floor) the relaxation's
+    lowest-peak plans, each with its peak relieved, and the certified search's (small graphs, when
     those stay more than DESCEND_GAP above the proven floor), the one that peaks lowest
     (cached per graph, equal graphs alike, and options `limits`, whatever wall clock was left
     before `deadline` when it was computed; a copy is returned)."""
@@ -91,16 +91,7 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
         # 564 nodes 150 s, to come out 0.03% above the floor) is not run
         cands = [_relieved(graph, *c) for c in cands]
         bound = peak_floor(graph)
-        bisect = min(c[0] for c in cands) > bound * (1 + CLOSE_TO_FLOOR)
-        # the rows' low-peak schedule, relieved, too (seconds): under the others' on ten of the 79
-        # graphs of benchmarks/certificates.py and unseen_models.py (BERT, DistilBERT, ELECTRA 5%
-        # lower, Mamba 4%, DeBERTa-v2, RoBERTa 2%), after the relaxation's bisection as well. It
-        # does not spare that bisection where it reaches the floor: DeepSeek-V3's plan there costs
-        # 182% extra, the bisection's, at the same peak, 52%
-        sched, _ = lowest_peak_by_rows(graph)
-        rows = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
-        cands.append(_relieved(graph, rows.predicted_peak_bytes, "rows", rows))
-        if bisect:
+        if min(c[0] for c in cands) > bound * (1 + CLOSE_TO_FLOOR):
             sched, bound = lowest_peak_search(graph, floor=bound)
             guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
             cands.append(_relieved(graph, guided.predicted_peak_bytes, "relaxation", guided))
