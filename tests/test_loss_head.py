@@ -467,14 +467,12 @@ def test_under_both_heads_smallest_budgets_each_head_is_traced_once_and_the_smal
     assert opt.plan.predicted_peak_bytes <= want
 
 
-
 def test_the_heads_smallest_budgets_are_searched_at_once_in_the_callers_context(monkeypatch):
     """smallest_feasible_of_each runs each graph's search in a thread of its own, at the same
     time (both wait for each other), in the caller's context (progress silenced there is silenced
     in them); its answers are smallest_feasible's; a search's error reaches the caller. With
     another HiGHS thread count than one, the searches run one after the other."""
     import threading
-
     from collections import OrderedDict
 
     import remat.solving as solving
@@ -514,6 +512,7 @@ def test_the_heads_smallest_budgets_are_searched_at_once_in_the_callers_context(
     monkeypatch.setattr(solving, "smallest_feasible", failing)
     with pytest.raises(RuntimeError, match="no search"):
         solving.smallest_feasible_of_each(graphs, "checkmate")
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_dh_accumulation_on_cuda_equals_the_upcast_gemm():

@@ -52,8 +52,8 @@ ROOT_UNDER_OTHER_BOUND = 0.035
 # that happened on Mamba and Falcon-Mamba only, whose branching then read no plan off any of its LPs
 # either (10 and 28 s at its work limit) and raised the bound by a point of a ~50% gap (through
 # `remat.optimize` at those budgets: 47 -> 29 s and 97 -> 56 s); at half the activation memory
-# every root read of the 79 gave a plan. On smaller relaxations branching is cheap and HiGHS's MILP may
-# follow (U-Net at its smallest budget: no plan at the root, two from later LPs)
+# every root read of the 79 gave a plan. On smaller relaxations branching is cheap and HiGHS's
+# MILP may follow (U-Net at its smallest budget: no plan at the root, two from later LPs)
 NO_PLAN_AT_ROOT = "no plan at the root"
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
 # The exchange search (solver/checkmate/exchange.py) improves a plan of the last reads; of the
