@@ -62,8 +62,8 @@ class Certificate:
     iterations: int
     seconds: float
     stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit",
-    # "root LP limit" (the root LP did not finish within its limits: no bound), "under the floor" (no branching),
-    # or the reason `root_stop` gave (no branching)
+    # "root LP limit" (the root LP did not finish within its limits: no bound), or the reason `root_stop` gave
+    # (no branching)
     x: np.ndarray | None = None
     infeasible: bool = False
     log: list = field(default_factory=list)
@@ -81,9 +81,8 @@ def classes(rel: Relaxation) -> list[list[int]]:
 def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float = 1e-4,
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
             time_limit_s: float | None = None, on_solution=None, on_lp=None,
-            root_iterations: int | None = None, on_simplex=None, floor: float | None = None,
-            known_bound: float = -math.inf, good_gap: float = 0.0, patience: int = 0,
-            root_stop=None) -> Certificate:
+            root_iterations: int | None = None, on_simplex=None, root_stop=None,
+            known_bound: float = -math.inf, good_gap: float = 0.0, patience: int = 0) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's, never
@@ -91,12 +90,12 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     root LP stopped by it, or by the time limit, proves nothing: the bound is 0, stopped_by "root
     LP limit"). on_lp(lps, bound, incumbent, work), if given, is called after each branching
     (work: the share of the simplex iteration limit spent, None without one), on_simplex(iterations)
-    every SIMPLEX_REPORT iterations of an LP (progress). floor: where the root LP's value is under
-    this (model units), no branching (stopped_by "under the floor"). known_bound: a bound proved
+    every SIMPLEX_REPORT iterations of an LP (progress). root_stop(root), if given, is asked with the
+    root LP's value (model units) once the root's solution was offered: a reason not to branch
+    (stopped_by), or None. known_bound: a bound proved
     otherwise (model units): the gap the search stops at is the incumbent's over the larger of its
     own bound and this one. good_gap: it also stops (stopped_by "good gap") once that gap is within
-    good_gap and `patience` LPs have passed since the incumbent last improved. root_stop(), if
-    given, is asked after the root's solution was offered: a reason (stopped_by) not to branch, or None."""
+    good_gap and `patience` LPs have passed since the incumbent last improved."""
     import highspy
 
     t0 = time.perf_counter()
@@ -158,9 +157,7 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
         return Certificate(math.inf, math.inf, 1, iters, time.perf_counter() - t0, "proved", infeasible=True)
     if on_solution is not None:
         incumbent = min(incumbent, on_solution(x, root))
-    if floor is not None and root < floor:
-        return Certificate(min(root, incumbent), root, 1, iters, time.perf_counter() - t0, "under the floor", x)
-    reason = root_stop() if root_stop is not None else None
+    reason = root_stop(root) if root_stop is not None else None
     if reason is not None:
         return Certificate(min(root, incumbent), root, 1, iters, time.perf_counter() - t0, reason, x)
     heap = [(root, 0, ({}, {}), x)]

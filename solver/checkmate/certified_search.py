@@ -238,18 +238,19 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
             progress.note(lp_iterations=iterations)
 
     large = rel.model.num_vars > MIP_MAX_VARIABLES
+    floor = other_bound * (1 - ROOT_UNDER_OTHER_BOUND) / cs if other_bound > 0 and large else None
 
-    def root_stop() -> str | None:
+    def root_stop(root: float) -> str | None:  # no branching where (ROOT_UNDER_OTHER_BOUND, NO_PLAN_AT_ROOT)
+        if floor is not None and root < floor:
+            return "under the floor"
         # (without a plan to start from, branching is the only way to one: the lowest peak's descent)
         return NO_PLAN_AT_ROOT if large and not plans_log and math.isfinite(best[1]) else None
 
     cert = certify(rel, incumbent=best[1] / cs, target_gap=mip_gap, max_iterations=max_iterations,
                    work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution,
-                   on_lp=on_lp, root_iterations=root_iterations, on_simplex=on_simplex,
-                   floor=(other_bound * (1 - ROOT_UNDER_OTHER_BOUND) / cs
-                          if other_bound > 0 and large else None),
+                   on_lp=on_lp, root_iterations=root_iterations, on_simplex=on_simplex, root_stop=root_stop,
                    known_bound=other_bound / cs if other_bound > 0 else -math.inf,
-                   good_gap=GOOD_GAP if large else 0.0, patience=GOOD_GAP_PATIENCE, root_stop=root_stop)
+                   good_gap=GOOD_GAP if large else 0.0, patience=GOOD_GAP_PATIENCE)
     if cert.infeasible:
         details["infeasible_row"] = None
         return CertifiedResult(None, math.inf, math.inf, details)
