@@ -25,7 +25,8 @@ class PlanDetails(TypedDict, total=False):
     warning: str
     reason: str  # why nothing better was found / why infeasible
     proof: str  # the proven statement behind an "infeasible" status
-    fallback: dict[str, Any]  # {"reason", "candidates"} when a fallback answered
+    fallback: dict[str, Any]  # {"reason", "candidates"} when a fallback answered; where the lowest-peak
+    # search's plans answered, "answered_by": the one that did (lowest_peak.py cheapest_known_fit)
     # ---- checkmate: the rows over the budget (solver/checkmate/peak_rows.py) -------------------------------
     peak_rows: dict[str, Any]  # {"rows_over_budget", "solves": [each model's size, status, bound], "bound", "s"}
     bound_source: str  # what gave lower_bound: the rows' models, or which relaxation and its branch and bound, or none

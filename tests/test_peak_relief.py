@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 
 from remat.solver import equal_spacing
+from remat.solver import checkmate
 from remat.solver.checkmate import min_feasible_budget
+from remat.solver.checkmate.milp_stages import DEFAULT_COARSEN_TO
 from remat.solver.checkmate.peak_relief import relieve_peak
 from remat.core.plan import LOWEST_PEAK
 from remat.solver.schedule import keep_all_schedule
@@ -77,6 +79,62 @@ def test_the_relaxation_bisection_runs_only_above_the_floor(monkeypatch):
     assert es > peak_floor(chain) * (1 + lowest_peak.CLOSE_TO_FLOOR)
     peak, plan = min_feasible_budget(chain, return_plan=True)
     assert calls == [chain] and plan.details["peak_lower_bound"] <= peak <= es
+
+
+@pytest.mark.parametrize("make, above_floor", [(lambda: training_chain(40, 0), True), (lambda: random_dag(40, 5), True),
+                                               (lambda: random_dag(50, 3), True), (lambda: training_chain(30, 1), False),
+                                               (lambda: transformer_like(3, 1), False)])
+def test_the_lowest_peak_is_at_most_the_rows_low_peak_schedule_relieved(make, above_floor):
+    """Where equal_spacing's (and the min-peak MILP's) relieved plans stay more than CLOSE_TO_FLOOR
+    above the rows' floor, the rows' low-peak schedule, its peak relieved, is a candidate of
+    min_feasible_budget on graphs the relaxation serves too: the answer peaks no higher, the
+    candidates name it, and the plan fits its own peak. Within CLOSE_TO_FLOOR it is not run."""
+    from remat.solver.checkmate import lowest_peak
+    from remat.solver.checkmate.peak_rows import lowest_peak_by_rows, peak_floor
+
+    g = make()
+    assert len(g.nodes) <= lowest_peak.RELAXATION_MAX_NODES
+    peak, plan = min_feasible_budget(g, return_plan=True)
+    others = min(p for s, p in plan.details["lowest_peak_candidates"].items() if s in ("equal_spacing", "min_peak_milp"))
+    assert (others > peak_floor(g) * (1 + lowest_peak.CLOSE_TO_FLOOR)) == above_floor
+    assert ("rows" in plan.details["lowest_peak_candidates"]) == above_floor
+    if above_floor:
+        rows = simulate(g, relieve_peak(g, lowest_peak_by_rows(g)[0])).peak_bytes
+        assert peak <= plan.details["lowest_peak_candidates"]["rows"] <= rows
+    assert simulate(g, plan.schedule).peak_bytes == peak >= plan.details["peak_lower_bound"]
+
+
+@pytest.mark.parametrize("make, cheaper_somewhere", [(lambda: transformer_like(4, 1), True),
+                                                     (lambda: random_dag(40, 5), False),
+                                                     (lambda: training_chain(50, 1), False)])
+def test_where_nothing_else_fits_the_cheapest_known_plan_answers(make, cheaper_somewhere, monkeypatch):
+    """Where solve's own candidates fit nothing, the plans the lowest-peak search found answer: of
+    those no other beats on peak and cost (known_plans: peak ascending, cost descending, the first
+    the lowest-peak plan's), the cheapest that fits once the budget's needless recomputations are
+    dropped; never dearer than the lowest-peak plan so dropped (what answered before), and on the
+    transformer cheaper at a budget above the second known plan's peak."""
+    from remat.solver.checkmate import lowest_peak, strategy
+    from remat.solver.checkmate.milp_attempts import make_limits
+    from remat.solver.refine import drop_recomputations
+
+    g = make()
+    monkeypatch.setattr(strategy, "choose", lambda *a, **kw: None)  # nothing else fits
+    peak, low = min_feasible_budget(g, return_plan=True)
+    known = lowest_peak.known_plans(g, backend="auto", coarsen_to=DEFAULT_COARSEN_TO,
+                                    limits=make_limits(None, None, 1e-4, 1))
+    assert known[0].peak_bytes == peak and known[0].extra_cost <= low.extra_cost
+    assert all(a.peak_bytes < b.peak_bytes and a.extra_cost > b.extra_cost for a, b in zip(known, known[1:]))
+    assert all(simulate(g, list(k.schedule)).peak_bytes == k.peak_bytes for k in known)
+    cheaper = 0
+    for budget in sorted({k.peak_bytes + d for k in known for d in (0, k.peak_bytes >> 4)}):
+        plan = checkmate.solve(g, budget, certify=False)
+        before = simulate(g, drop_recomputations(g, low.schedule, budget)).extra_cost
+        fitting = [k for k in known if k.peak_bytes <= budget]
+        assert plan.details["fallback"]["answered_by"] in {k.source for k in fitting}
+        assert simulate(g, plan.schedule).peak_bytes <= budget and plan.extra_cost <= before
+        assert plan.extra_cost <= min(k.extra_cost for k in fitting)
+        cheaper += plan.extra_cost < before
+    assert len(known) >= 2 and (cheaper > 0 or not cheaper_somewhere)
 
 
 def test_budget_probes_solve_the_relaxation_at_each_budget():

@@ -1,10 +1,10 @@
 """checkmate's third stage: which schedule the plan is made of.
 
 The cheapest refined plan within the budget (then the lowest peak, then the MILP's on a tie).
-Where none fits, the lowest-peak plan that min_feasible_budget reports (solver/checkmate/
-lowest_peak.py, cached per graph and options) answers when it fits, so `solve` never calls a
-budget infeasible that min_feasible_budget reported feasible; otherwise the plan is "infeasible"
-and holds that lowest-peak schedule, with whether infeasibility is proven.
+Where none fits, the plans the lowest-peak search found (solver/checkmate/lowest_peak.py, cached per
+graph and options) answer: the cheapest of those that fits, so `solve` never calls a budget
+infeasible that min_feasible_budget reported feasible; where none fits the plan is "infeasible"
+and holds the lowest-peak schedule, with whether infeasibility is proven.
 """
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from remat.core.simulator import SimResult, simulate
 from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.backends import Limits
 from remat.solver.checkmate.candidates import Refined
-from remat.solver.checkmate.lowest_peak import lowest_peak_plan
+from remat.solver.checkmate.lowest_peak import cheapest_known_fit, lowest_peak_plan
 from remat.solver.checkmate.milp import MilpOutcome
 from remat.solver.checkmate.milp_attempts import warn_fallback
-from remat.solver.refine import drop_recomputations
 
 __all__ = ["Choice", "choose", "fallback_to_lowest_peak"]
 
@@ -87,8 +86,9 @@ def choose(refined: dict[str, Refined], budget_bytes: int, milp: MilpOutcome | N
 def fallback_to_lowest_peak(graph: TrainingGraph, g: TrainingGraph, budget_bytes: int, milp: MilpOutcome | None,
                             proven: bool, *, backend: str, coarsen_to: int | None, limits: Limits,
                             deadline: float | None) -> Choice:
-    """No candidate fits: the lowest-peak plan when it fits (its needless recomputations dropped),
-    else that plan's schedule with nothing fitting. `proven`: the certificate proves infeasibility."""
+    """No candidate fits: the cheapest plan the lowest-peak search found that fits (its needless
+    recomputations dropped), else the lowest-peak plan's schedule with nothing fitting. `proven`:
+    the certificate proves infeasibility."""
     failed = milp is not None and milp.failed
     reason = (milp.reason if milp is not None else None) or ("proven infeasible" if proven else "no plan found")
     low = lowest_peak_plan(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
@@ -103,10 +103,11 @@ def fallback_to_lowest_peak(graph: TrainingGraph, g: TrainingGraph, budget_bytes
             # stacklevel 4: warn_fallback, here, checkmate's solve, its caller
             warn_fallback(f"checkmate: {reason}; answering with the best heuristic plan that fits "
                           f"(equal_spacing / lowest-peak plan, refined on the fine graph)", stacklevel=4)
-        sched = drop_recomputations(graph, low.schedule, budget_bytes)
+        source, sched = cheapest_known_fit(graph, budget_bytes, backend=backend, coarsen_to=coarsen_to,
+                                           limits=limits, deadline=deadline)
         return Choice(sched, simulate(graph, sched), True, "fallback", refined_from="lowest_peak", reason=reason,
-                      fallback={"reason": reason, "candidates": ["lowest_peak"]}, lowest_peak=record,
-                      peak_lower_bound=floor, proof=proof)
+                      fallback={"reason": reason, "candidates": ["lowest_peak"], "answered_by": source},
+                      lowest_peak=record, peak_lower_bound=floor, proof=proof)
     if failed:
         warn_fallback(f"checkmate: {reason}; no known plan fits {budget_bytes} bytes", stacklevel=4)
     milp_infeasible = milp is not None and milp.infeasible

@@ -23,7 +23,7 @@ from remat.solver.checkmate.relaxation import SAFETY, Relaxation
 from remat.solver.checkmate.sparse_lp import HotLP, Solution
 from remat.core.simulator import simulate
 
-__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "exchanged_plan", "best_guided", "lowest_peak_search", "BudgetProbe", "descend", "THRESHOLDS", "REFINED",
+__all__ = ["schedule_from_live", "drops_at", "recomputations_at", "threshold_search", "fit", "exchanged_plan", "best_guided", "lowest_peak_search", "BudgetProbe", "THRESHOLDS", "REFINED",
            "PROBE_MAX_VARIABLES", "PEAK_RESOLUTION", "COLD_MAX_ITERATIONS"]
 
 THRESHOLDS = (0.9, 0.5)
@@ -328,7 +328,8 @@ class BudgetProbe:
         return self.lp.solve(self.rows, self.cols)
 
 
-def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: int = 0) -> tuple[list[str], int]:
+def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: int = 0,
+                       fitted: list | None = None) -> tuple[list[str], int]:
     """A low-peak schedule, and a proven lower bound on every schedule's peak (bytes).
 
     Start: the schedule read off the relaxation of the smallest peak (Relaxation with budget None:
@@ -340,7 +341,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     rises to it; once a probe's plan fitted, the bisection stops where the best peak is within
     PEAK_RESOLUTION of that bound or of the last probe that found no plan. The last probe whose
     plan fitted is also solved from nothing (`_cold_at`, within COLD_MAX_ITERATIONS). probes: how
-    many budgets are probed (None: 16, and none on relaxations over PROBE_MAX_VARIABLES)."""
+    many budgets are probed (None: 16, and none on relaxations over PROBE_MAX_VARIABLES). fitted:
+    where given, every probe's plan that fitted is appended to it (cheaper at higher peaks)."""
     rel = Relaxation(graph, None)
     sol = rel.model.solve()
     if sol.x is None:
@@ -383,6 +385,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
             lo = mid
         else:
             best, best_peak, last = sched, simulate(graph, sched).peak_bytes, (mid, lp)
+            if fitted is not None:
+                fitted.append(sched)
     if last is not None and last[1] is not None:
         best = _cold_at(graph, best, best_peak, last[0])
     return best, bound
@@ -401,20 +405,3 @@ def _cold_at(graph: TrainingGraph, best: list[str], peak: int, budget: int) -> l
     sim, old = simulate(graph, found[0]), simulate(graph, best)
     return found[0] if sim.peak_bytes <= peak and sim.extra_cost < old.extra_cost else best
 
-
-def descend(graph: TrainingGraph, best: list[str], bound: int, search, steps: int = 4) -> tuple[list[str], int]:
-    """Lower the best peak with `search(budget) -> (schedule or None, proven infeasible)` (the
-    certified search, as `solve` runs it), one byte under the best peak at a time, so that `solve`
-    with the same options finds nothing under the lowest peak this reports; the bound rises to a
-    budget the search proves infeasible."""
-    peak = simulate(graph, best).peak_bytes
-    for _ in range(steps):
-        if peak - 1 < bound:
-            break
-        sched, proven = search(peak - 1)
-        if sched is None:
-            if proven:
-                bound = peak
-            break
-        best, peak = sched, simulate(graph, sched).peak_bytes
-    return best, bound

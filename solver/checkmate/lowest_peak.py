@@ -3,11 +3,14 @@ bound on any plan's peak.
 
 Candidates, whichever peaks lowest on the fine graph: equal_spacing's lowest-peak plan, on small
 coarse graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace + kept + resident,
-minimise M), each with its peak then lowered by local moves (solver/checkmate/peak_relief.py), and where
-those stay more than CLOSE_TO_FLOOR above the rows' floor the relaxation's low-peak schedule
-(solver/checkmate/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the rows'
-instead, solver/checkmate/peak_rows.py `lowest_peak_by_rows`); on graphs up to DESCEND_MAX_NODES nodes the
-certified search then tries to go lower.
+minimise M), each with its peak then lowered by local moves (solver/checkmate/peak_relief.py), and
+where those stay more than CLOSE_TO_FLOOR above the rows' floor the rows' low-peak schedule
+(solver/checkmate/peak_rows.py `lowest_peak_by_rows`), relieved too, and the relaxation's
+(solver/checkmate/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the
+rows' alone, not relieved where within DESCEND_GAP of the floor); on graphs up to DESCEND_MAX_NODES
+nodes the certified search then tries to go lower. Every plan found on the way that no other beats
+on both peak and extra cost is kept with it: where solve's own candidates do not fit a budget, the
+cheapest of those that fits answers (`cheapest_known_fit`).
 plan.details["peak_lower_bound"] is the rows' floor, or the relaxation's bound where it ran and
 is higher: no schedule whose first computations follow the graph's order peaks below it, so a
 budget under it is infeasible as a fact. Cached per graph (equal graphs alike: TrainingGraph's
@@ -21,7 +24,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from remat.core.full_collections import rare_full_collections
 from remat.core.training_graph import TrainingGraph
@@ -31,14 +34,14 @@ from remat.solver.checkmate.milp import milp_gate, min_peak_plan
 from remat.solver.checkmate.milp_attempts import cut_to_deadline, make_limits, warn_fallback
 from remat.solver.checkmate.milp_stages import DEFAULT_COARSEN_TO, coarse_graph
 from remat.solver.checkmate.certified_search import RELAXATION_MAX_NODES, certified_search
-from remat.solver.checkmate.guided import descend, lowest_peak_search
-from remat.solver.checkmate.peak_relief import relieve_peak
+from remat.solver.checkmate.guided import lowest_peak_search
+from remat.solver.checkmate.peak_relief import MAX_ROUNDS, relieve_peak
 from remat.solver.checkmate.peak_rows import lowest_peak_by_rows, peak_floor
 from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
 
-__all__ = ["min_feasible_budget", "lowest_peak_plan", "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES", "CACHED_PROBLEMS"]
+__all__ = ["min_feasible_budget", "lowest_peak_plan", "cheapest_known_fit", "known_plans", "KnownPlan", "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES", "CACHED_PROBLEMS"]
 
 # on graphs up to DESCEND_MAX_NODES nodes the lowest peak is pushed down by the certified search
 # (above it, on eight models of 141-748 nodes, U-Net, the GPTs, ViT, BERT, Qwen2, T5, ResNet-50,
@@ -48,6 +51,15 @@ DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
 # the relaxation's lowest-peak bisection runs only where the best candidate's peak is further than
 # this above the proven floor (what it could win at most)
 CLOSE_TO_FLOOR = 0.001
+# the rows' low-peak schedule is relieved for at most this many rounds, and this many schedule
+# steps simulated per candidate move over the rounds (a round simulates peak_relief.CANDIDATES
+# moves): it starts 10-40% above the others' peaks, and where relieving it won (BERT,
+# DistilBERT, ELECTRA, DeBERTa-v2, RoBERTa 2-5% lower; cheaper plans on T5, mT5), it did within
+# 100 rounds, on schedules up to 2,200 steps within 25-50; Gemma-3's (3,590 steps) took 200
+# rounds, 11 s, to stay 2.6% above the others', DeepSeek-V3's (2,300) 200 rounds, 10 s, to reach
+# the peak the relaxation's bisection reaches too
+ROWS_RELIEF_ROUNDS = 100
+ROWS_RELIEF_STEPS = 100_000
 
 
 # lowest-peak plans per (graph, options), the most recent CACHED_PROBLEMS of them, keyed by the
@@ -60,25 +72,71 @@ _LOWEST_LOCK = threading.Lock()  # blocks may be planned in threads
 CACHED_PROBLEMS = 8
 
 
+@dataclass(frozen=True)
+class KnownPlan:
+    """A plan the lowest-peak search found: its fine simulated peak and extra cost, the candidate it
+    came from, and its schedule."""
+
+    peak_bytes: int
+    extra_cost: float
+    source: str
+    schedule: tuple[str, ...]
+
+
 def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | None, limits: Limits,
                      deadline: float | None = None) -> Plan:
     """The lowest-peak plan known: of the min-peak MILP's (small coarse graphs), equal_spacing's
-    and (when those stay more than CLOSE_TO_FLOOR above the rows' floor) the relaxation's
-    lowest-peak plans, each with its peak relieved, and the certified search's (small graphs, when
-    those stay more than DESCEND_GAP above the proven floor), the one that peaks lowest
+    and (when those stay more than CLOSE_TO_FLOOR above the rows' floor) the rows' and the
+    relaxation's lowest-peak plans, each with its peak relieved, and the certified search's (small
+    graphs, when those stay more than DESCEND_GAP above the proven floor), the one that peaks lowest
     (cached per graph, equal graphs alike, and options `limits`, whatever wall clock was left
     before `deadline` when it was computed; a copy is returned)."""
+    return _copy_for(_searched(graph, backend, coarsen_to, limits, deadline)[0], graph)
+
+
+def cheapest_known_fit(graph: TrainingGraph, budget_bytes: int, *, backend: str, coarsen_to: int | None,
+                       limits: Limits, deadline: float | None = None) -> tuple[str, list[str]] | None:
+    """Of the plans the lowest-peak search found (lowest_peak_plan's entry: its candidates before
+    and after their peaks were relieved, the bisection's probes), those no other one beats on both
+    peak and extra cost, the cheapest within `budget_bytes` once the recomputations that budget
+    does not need are dropped: (its source, its schedule); None where none fits. The lowest-peak
+    plan alone would answer a budget above its peak dearly: BERT's, 5% under the bisection's
+    plan, costs 118% extra at that plan's peak, where the bisection's costs 85%."""
+    known = [k for k in known_plans(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
+             if k.peak_bytes <= budget_bytes]
+    best = None
+    for k in known:
+        sched = drop_recomputations(graph, list(k.schedule), budget_bytes)
+        cost = simulate(graph, sched).extra_cost
+        if best is None or cost < best[0]:
+            best = (cost, k.source, sched)
+    return None if best is None else best[1:]
+
+
+def known_plans(graph: TrainingGraph, *, backend: str, coarsen_to: int | None, limits: Limits,
+                deadline: float | None = None) -> tuple[KnownPlan, ...]:
+    """The plans the lowest-peak search found that no other one beats on both peak and extra cost,
+    peak ascending (so extra cost descending): the first is the lowest peak's (cached with
+    lowest_peak_plan's entry)."""
+    return _searched(graph, backend, coarsen_to, limits, deadline)[1]
+
+
+def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits: Limits,
+              deadline: float | None) -> tuple[Plan, tuple[KnownPlan, ...]]:
+    """The lowest-peak plan, and every plan found on the way that no other beats on both peak and
+    extra cost (peak ascending), from the cache or searched and cached."""
     key = (graph, backend, coarsen_to, limits)
     with _LOWEST_LOCK:
         hit = _LOWEST.get(key)
         if hit is not None:
             _LOWEST.move_to_end(key)
-            return _copy_for(hit, graph)
+            return hit
     t0 = time.perf_counter()
     name = default_backend() if backend == "auto" else backend
     g = coarse_graph(graph, coarsen_to)
     log: list = []
     cands: list = []  # (peak, source, Plan)
+    seen: list = []  # (source, schedule): every plan found, for cheapest_known_fit
     if milp_gate(len(g.nodes), "auto") is None:
         milp = min_peak_plan(graph, g, name, cut_to_deadline(limits, deadline), log)
         if milp is not None:
@@ -86,20 +144,33 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
     es = replace(equal_spacing.solve(graph, LOWEST_PEAK), strategy="checkmate", status=PlanStatus.FEASIBLE)
     cands.append((es.predicted_peak_bytes, "equal_spacing", es))
     if len(graph.nodes) <= RELAXATION_MAX_NODES:
-        # equal_spacing's plan relieved and the rows' floor take seconds: where that plan is within
-        # CLOSE_TO_FLOOR of the floor, the relaxation's bisection (minutes: on a Llama-like graph of
-        # 564 nodes 150 s, to come out 0.03% above the floor) is not run
+        seen += [(_SOURCES[s], c.schedule) for _, s, c in cands]
         cands = [_relieved(graph, *c) for c in cands]
         bound = peak_floor(graph)
+        # equal_spacing's plan relieved and the rows' floor take seconds: where that plan is within
+        # CLOSE_TO_FLOOR of the floor, the relaxation's bisection (minutes: on a Llama-like graph of
+        # 564 nodes 150 s, to come out 0.03% above the floor) and the rows' schedule are not run
         if min(c[0] for c in cands) > bound * (1 + CLOSE_TO_FLOOR):
-            sched, bound = lowest_peak_search(graph, floor=bound)
+            # the rows' low-peak schedule, relieved (seconds): under the others' on ten of the 79
+            # graphs of benchmarks/certificates.py and unseen_models.py (BERT, DistilBERT,
+            # ELECTRA 5% lower, Mamba 4%, DeBERTa-v2, RoBERTa 2%). It does not spare the bisection
+            # where it reaches the floor: DeepSeek-V3's plan there costs 182% extra, the
+            # bisection's, at the same peak, 52%
+            rows = _rows_candidate(graph)[0]
+            seen.append((_SOURCES["rows"], rows[2].schedule))
+            rounds = min(ROWS_RELIEF_ROUNDS, ROWS_RELIEF_STEPS // max(len(rows[2].schedule), 1))
+            cands.append(_relieved(graph, *rows, max_rounds=rounds))
+            probes: list = []
+            sched, bound = lowest_peak_search(graph, floor=bound, fitted=probes)
+            seen += [("relaxation (a probe)", p) for p in probes]
             guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
+            seen.append((_SOURCES["relaxation"], guided.schedule))
             cands.append(_relieved(graph, guided.predicted_peak_bytes, "relaxation", guided))
     else:
         # the rows' low-peak schedule (the whole step's relaxation takes minutes and GBs here)
-        sched, bound = lowest_peak_by_rows(graph)
-        guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
-        cands.append((guided.predicted_peak_bytes, "rows", guided))
+        rows, bound = _rows_candidate(graph)
+        cands.append(rows)
+        seen += [(_SOURCES[s], c.schedule) for _, s, c in cands]
         # local moves cost minutes here (Mistral-7B-like, 3,601 nodes): skipped once a candidate is
         # within DESCEND_GAP of the floor (they could win at most that)
         if min(c[0] for c in cands) > bound * (1 + DESCEND_GAP):
@@ -113,16 +184,13 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
             res = certified_search(graph, budget, starts=[])
             return res.schedule, math.isinf(res.bound)
 
-        sched, bound = descend(graph, best[2].schedule, bound, search)
+        sched, bound = _descend(graph, best[2].schedule, bound, search)
         found = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
         if found.predicted_peak_bytes < best[0]:
             cands.append((found.predicted_peak_bytes, "certified", found))
     failed = [a for a in log if "error" in a]
     _, source, chosen = min(cands, key=lambda c: (c[0], c[2].extra_cost))
-    source = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)", "rows": "rows (lowest peak)",
-              "equal_spacing": "equal_spacing (lowest peak)", "certified": "certified search"}[source]
-    if "peak_relieved_from" in chosen.details:
-        source += ", peak relieved"
+    source = _SOURCES[source] + (", peak relieved" if "peak_relieved_from" in chosen.details else "")
     if failed:
         warn_fallback(f"min-peak MILP backend failure ({failed[0]['error']}); "
                       f"answered by {log[-1]['backend'] if 'status' in log[-1] else source}")
@@ -131,11 +199,40 @@ def lowest_peak_plan(graph: TrainingGraph, *, backend: str, coarsen_to: int | No
                "attempts": log}
     plan = replace(chosen, details=details, budget_bytes=chosen.predicted_peak_bytes,
                    solve_time_s=time.perf_counter() - t0)  # coarsening and the comparison included
+    seen += [(_SOURCES[s] + (", peak relieved" if "peak_relieved_from" in c.details else ""), c.schedule)
+             for _, s, c in cands]
+    entry = (plan, _undominated(graph, seen))
     with _LOWEST_LOCK:
-        _LOWEST[key] = plan
+        _LOWEST[key] = entry
         while len(_LOWEST) > CACHED_PROBLEMS:
             _LOWEST.popitem(last=False)
-    return _copy_for(plan, graph)
+    return entry
+
+
+_SOURCES = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)", "rows": "rows (lowest peak)",
+            "equal_spacing": "equal_spacing (lowest peak)", "certified": "certified search"}
+
+
+def _rows_candidate(graph: TrainingGraph) -> tuple[tuple[int, str, Plan], int]:
+    """The rows' low-peak schedule as a candidate (peak, "rows", plan), and the rows' floor."""
+    sched, bound = lowest_peak_by_rows(graph)
+    rows = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
+    return (rows.predicted_peak_bytes, "rows", rows), bound
+
+
+def _undominated(graph: TrainingGraph, seen: list) -> tuple[KnownPlan, ...]:
+    """The plans of `seen` ((source, schedule) pairs) that no other beats on both peak and extra
+    cost, peak ascending; of equal ones, the first seen."""
+    known = []
+    for source, sched in seen:
+        sim = simulate(graph, sched)
+        known.append(KnownPlan(sim.peak_bytes, sim.extra_cost, source, tuple(sched)))
+    known.sort(key=lambda k: (k.peak_bytes, k.extra_cost))  # stable: of equal ones, the first seen
+    out: list[KnownPlan] = []
+    for k in known:
+        if not out or k.extra_cost < out[-1].extra_cost:
+            out.append(k)
+    return tuple(out)
 
 
 def _copy_for(plan: Plan, graph: TrainingGraph) -> Plan:
@@ -144,11 +241,12 @@ def _copy_for(plan: Plan, graph: TrainingGraph) -> Plan:
     return replace(plan, details=copy.deepcopy(plan.details), graph=graph, graph_fingerprint=graph.fingerprint())
 
 
-def _relieved(graph: TrainingGraph, peak: int, source: str, plan: Plan) -> tuple[int, str, Plan]:
-    """The candidate with its peak lowered by local moves (solver/checkmate/peak_relief.py), then its
-    recomputations that the lower peak does not need dropped; the candidate itself when that
-    lowers nothing."""
-    sched = relieve_peak(graph, plan.schedule)
+def _relieved(graph: TrainingGraph, peak: int, source: str, plan: Plan,
+              max_rounds: int = MAX_ROUNDS) -> tuple[int, str, Plan]:
+    """The candidate with its peak lowered by local moves (solver/checkmate/peak_relief.py, at most
+    `max_rounds` rounds), then its recomputations that the lower peak does not need dropped; the
+    candidate itself when that lowers nothing."""
+    sched = relieve_peak(graph, plan.schedule, max_rounds=max_rounds)
     low = simulate(graph, sched).peak_bytes
     if low >= peak:
         return peak, source, plan
@@ -174,3 +272,21 @@ def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     plan = lowest_peak_plan(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
     return (plan.predicted_peak_bytes, plan) if return_plan else plan.predicted_peak_bytes
+
+
+def _descend(graph: TrainingGraph, best: list[str], bound: int, search, steps: int = 4) -> tuple[list[str], int]:
+    """Lower the best peak with `search(budget) -> (schedule or None, proven infeasible)` (the
+    certified search, as `solve` runs it), one byte under the best peak at a time, so that `solve`
+    with the same options finds nothing under the lowest peak this reports; the bound rises to a
+    budget the search proves infeasible."""
+    peak = simulate(graph, best).peak_bytes
+    for _ in range(steps):
+        if peak - 1 < bound:
+            break
+        sched, proven = search(peak - 1)
+        if sched is None:
+            if proven:
+                bound = peak
+            break
+        best, peak = sched, simulate(graph, sched).peak_bytes
+    return best, bound

@@ -20,9 +20,10 @@ from remat.core.training_graph import TrainingGraph
 from remat.solver.refine import prune_unread
 from remat.core.simulator import ScheduleError, SimResult, simulate
 
-__all__ = ["relieve_peak"]
+__all__ = ["relieve_peak", "CANDIDATES", "MAX_ROUNDS"]
 
 CANDIDATES = 12  # values tried per round: the largest live at the peak
+MAX_ROUNDS = 200
 
 
 def _score(sim: SimResult) -> tuple[int, int, float]:
@@ -80,7 +81,7 @@ def _move(graph: TrainingGraph, sched: list[str], reads: dict[int, list[int]], c
     return prune_unread(graph, sched[:q] + pre + sched[q:])
 
 
-def relieve_peak(graph: TrainingGraph, schedule: list[str], *, max_rounds: int = 200,
+def relieve_peak(graph: TrainingGraph, schedule: list[str], *, max_rounds: int = MAX_ROUNDS,
                  deadline: float | None = None) -> list[str]:
     """`schedule`, or one with a lower peak (or as high, at fewer steps) found by moving values
     held across the peak to a recomputation after it. Stops when a round improves nothing, after
