@@ -81,8 +81,10 @@ def test_the_relaxation_bisection_runs_only_above_the_floor(monkeypatch):
     assert calls == [chain] and plan.details["peak_lower_bound"] <= peak <= es
 
 
-@pytest.mark.parametrize("make, above_floor", [(lambda: training_chain(40, 0), True), (lambda: random_dag(40, 5), True),
-                                               (lambda: random_dag(50, 3), True), (lambda: training_chain(30, 1), False),
+@pytest.mark.parametrize("make, above_floor", [(lambda: training_chain(40, 0), True),
+                                               (lambda: random_dag(40, 5), True),
+                                               (lambda: random_dag(50, 3), True),
+                                               (lambda: training_chain(30, 1), False),
                                                (lambda: transformer_like(3, 1), False)])
 def test_the_lowest_peak_is_at_most_the_rows_low_peak_schedule_relieved(make, above_floor):
     """Where equal_spacing's (and the min-peak MILP's) relieved plans stay more than CLOSE_TO_FLOOR
@@ -95,7 +97,8 @@ def test_the_lowest_peak_is_at_most_the_rows_low_peak_schedule_relieved(make, ab
     g = make()
     assert len(g.nodes) <= lowest_peak.RELAXATION_MAX_NODES
     peak, plan = min_feasible_budget(g, return_plan=True)
-    others = min(p for s, p in plan.details["lowest_peak_candidates"].items() if s in ("equal_spacing", "min_peak_milp"))
+    others = min(p for s, p in plan.details["lowest_peak_candidates"].items()
+                 if s in ("equal_spacing", "min_peak_milp"))
     assert (others > peak_floor(g) * (1 + lowest_peak.CLOSE_TO_FLOOR)) == above_floor
     assert ("rows" in plan.details["lowest_peak_candidates"]) == above_floor
     if above_floor:

@@ -41,7 +41,8 @@ from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
 
-__all__ = ["min_feasible_budget", "lowest_peak_plan", "cheapest_known_fit", "known_plans", "KnownPlan", "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES", "CACHED_PROBLEMS"]
+__all__ = ["min_feasible_budget", "lowest_peak_plan", "cheapest_known_fit", "known_plans", "KnownPlan",
+           "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES", "CACHED_PROBLEMS", "ROWS_RELIEF_ROUNDS", "ROWS_RELIEF_STEPS"]
 
 # on graphs up to DESCEND_MAX_NODES nodes the lowest peak is pushed down by the certified search
 # (above it, on eight models of 141-748 nodes, U-Net, the GPTs, ViT, BERT, Qwen2, T5, ResNet-50,
@@ -51,11 +52,11 @@ DESCEND_GAP = 0.01  # ... unless it is already within 1% of the proven floor
 # the relaxation's lowest-peak bisection runs only where the best candidate's peak is further than
 # this above the proven floor (what it could win at most)
 CLOSE_TO_FLOOR = 0.001
-# the rows' low-peak schedule is relieved for at most this many rounds, and this many schedule
-# steps simulated per candidate move over the rounds (a round simulates peak_relief.CANDIDATES
-# moves): it starts 10-40% above the others' peaks, and where relieving it won (BERT,
+# the rows' low-peak schedule is relieved for at most ROWS_RELIEF_ROUNDS rounds, and at most
+# ROWS_RELIEF_STEPS // its length (each round simulates peak_relief.CANDIDATES moves of the whole
+# schedule): it starts 10-40% above the others' peaks, and where relieving it won (BERT,
 # DistilBERT, ELECTRA, DeBERTa-v2, RoBERTa 2-5% lower; cheaper plans on T5, mT5), it did within
-# 100 rounds, on schedules up to 2,200 steps within 25-50; Gemma-3's (3,590 steps) took 200
+# 100 rounds, on schedules of 1,600-2,200 steps within 25-50; Gemma-3's (3,590 steps) took 200
 # rounds, 11 s, to stay 2.6% above the others', DeepSeek-V3's (2,300) 200 rounds, 10 s, to reach
 # the peak the relaxation's bisection reaches too
 ROWS_RELIEF_ROUNDS = 100
