@@ -191,7 +191,7 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
             cands.append((found.predicted_peak_bytes, "certified", found))
     failed = [a for a in log if "error" in a]
     _, source, chosen = min(cands, key=lambda c: (c[0], c[2].extra_cost))
-    source = _SOURCES[source] + (", peak relieved" if "peak_relieved_from" in chosen.details else "")
+    source = _label(source, chosen)
     if failed:
         warn_fallback(f"min-peak MILP backend failure ({failed[0]['error']}); "
                       f"answered by {log[-1]['backend'] if 'status' in log[-1] else source}")
@@ -200,8 +200,7 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
                "attempts": log}
     plan = replace(chosen, details=details, budget_bytes=chosen.predicted_peak_bytes,
                    solve_time_s=time.perf_counter() - t0)  # coarsening and the comparison included
-    seen += [(_SOURCES[s] + (", peak relieved" if "peak_relieved_from" in c.details else ""), c.schedule)
-             for _, s, c in cands]
+    seen += [(_label(s, c), c.schedule) for _, s, c in cands]
     entry = (plan, _undominated(graph, seen))
     with _LOWEST_LOCK:
         _LOWEST[key] = entry
@@ -212,6 +211,11 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
 
 _SOURCES = {"min_peak_milp": "min_peak_milp", "relaxation": "relaxation (lowest peak)", "rows": "rows (lowest peak)",
             "equal_spacing": "equal_spacing (lowest peak)", "certified": "certified search"}
+
+
+def _label(source: str, plan: Plan) -> str:
+    """How plan.details and the kept plans name a candidate's plan."""
+    return _SOURCES[source] + (", peak relieved" if "peak_relieved_from" in plan.details else "")
 
 
 def _rows_candidate(graph: TrainingGraph) -> tuple[tuple[int, str, Plan], int]:
