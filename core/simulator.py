@@ -18,7 +18,6 @@ reader if that is later. These make the prediction equal the measured CPU peak t
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +78,7 @@ class _Tables:
         self.key_node = [i for i, v in enumerate(nodes) for _ in _parts(v)]
         self.key_part = [k for v in nodes for k in range(len(_parts(v)))]
         self.forward_kept = [v for v in nodes if v.forward_kept]  # the nodes with forward-kept outputs
+        self.kept = [bool(v.kept_bytes) for v in nodes]
         self.last: tuple | None = None  # (schedule as node indices, its _last_read_keys)
         # per node, what simulate's loop reads of it, as plain values (no attribute lookups there):
         # the keys it reads, what it adds while it runs, what it adds after, cost, FLOPs, whether
@@ -101,10 +101,10 @@ class _Tables:
 
 
 class _Arrays:
-    """The same tables as numpy arrays, for _simulate_arrays: per node, its first key, how many
+    """The same tables as numpy arrays, for _simulate_arrays and dead_steps: per node, its first key, how many
     parts it has, the keys it reads (concatenated: read_keys[read_start[v]:][:read_count[v]]),
-    bytes while it runs and after, whether it may be recomputed; per key, its bytes; the release
-    entries."""
+    bytes while it runs and after, whether it may be recomputed and whether it has kept outputs;
+    per key, its bytes and its node; the release entries."""
 
     def __init__(self, tab: _Tables):
         reads = [r[0] for r in tab.per_node]
@@ -117,6 +117,8 @@ class _Arrays:
         self.running = np.array([r[1] for r in tab.per_node], dtype=np.int64)
         self.added = np.array([r[2] for r in tab.per_node], dtype=np.int64)
         self.recomputable = np.array([r[5] for r in tab.per_node], dtype=bool)
+        self.key_node = np.array(tab.key_node, dtype=np.int64)
+        self.kept = np.array(tab.kept, dtype=bool)  # per node: whether it has kept outputs
         entries = tab.release_entries  # (their readers concatenated, as the reads above)
         self.release_bytes = np.array([e[0] for e in entries], dtype=np.int64)
         self.release_node = np.array([e[1] for e in entries], dtype=np.int64)
@@ -204,28 +206,39 @@ def unread_steps(graph: TrainingGraph, schedule: list[str]) -> list[int]:
 def dead_steps(graph: TrainingGraph, schedule: list[str]) -> set[int]:
     """The steps that removing unread instances round by round removes: each round takes the
     `unread_steps`, in order, while another instance of the same node remains, and removing them can
-    leave the instances they read unread for the next round. Computed in one pass over the reads
-    (which instance each step reads does not change: a removed instance had no reader), then round
-    by round only over the instances whose last reader a round removed."""
-    tab, nodes = _tables(graph), graph.nodes
+    leave the instances they read unread for the next round. Which instance each step reads does not
+    change (a removed instance had no reader), so it is found once for all reads, on arrays as in
+    _simulate_arrays (the plan searches prune thousands of schedules); then round by round only over
+    the instances whose last reader a round removed."""
+    tab = _tables(graph)
     steps = _steps(graph, schedule)
-    key_node, per_node = tab.key_node, tab.per_node
-    latest: dict[int, int] = {}  # node -> its latest step so far
-    sources: list[list[int]] = []  # per step: the step of each instance it reads (one entry per key read)
-    readers = [0] * len(steps)  # per step: reads of its instance's parts by later steps
-    for s, v in enumerate(steps):
-        src = []
-        for key in per_node[v][0]:
-            t = latest.get(key_node[key])
-            if t is not None:
-                src.append(t)
-                readers[t] += 1
-        sources.append(src)
-        latest[v] = s
-    count = Counter(steps)
-    kept = [bool(v.kept_bytes) for v in nodes]
+    length = len(steps)
+    if not length:
+        return set()
+    a = tab.arrays
+    at = np.array(steps, dtype=np.int64)
+    step = np.arange(length)
+    deg = a.read_count[at]
+    read_step = np.repeat(step, deg)
+    read_key = a.read_keys[np.repeat(a.read_start[at] - np.cumsum(deg) + deg, deg) + np.arange(read_step.size)]
+    read_node = a.key_node[read_key]
+    # each read's instance: the step that last computed its node before the read (none: never computed)
+    code = at * length + step
+    order = np.argsort(code, kind="stable")
+    pos = np.searchsorted(code[order], read_node * length + read_step) - 1
+    source = order[np.maximum(pos, 0)]
+    hit = (pos >= 0) & (at[source] == read_node)
+    read_step, source = read_step[hit], source[hit]
+    readers = np.bincount(source, minlength=length)  # per step: reads of its instance's parts by later steps
+    unread = np.flatnonzero((readers == 0) & ~a.kept[at]).tolist()
+    if not unread:
+        return set()
+    count = np.bincount(at, minlength=len(graph.nodes)).tolist()
+    kept = a.kept.tolist()
+    readers = readers.tolist()
+    starts = np.searchsorted(read_step, np.arange(length + 1)).tolist()  # step s's reads: starts[s]:starts[s + 1]
+    source = source.tolist()
     dead: set[int] = set()
-    unread = [s for s, v in enumerate(steps) if not readers[s] and not kept[v]]
     while unread:
         removed = []
         for s in unread:
@@ -236,7 +249,7 @@ def dead_steps(graph: TrainingGraph, schedule: list[str]) -> set[int]:
         dead.update(removed)
         freed = set()
         for s in removed:
-            for t in sources[s]:
+            for t in source[starts[s]:starts[s + 1]]:
                 readers[t] -= 1
                 if not readers[t] and t not in dead and not kept[steps[t]]:
                     freed.add(t)

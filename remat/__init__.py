@@ -12,7 +12,8 @@ from remat.api import InfeasibleBudgetError, TraceError, capture, optimize, solv
 from remat.core.errors import RematError, RematWarning
 from remat.blockwise import BlockwiseModule, BlockwisePlanWarning
 from remat.graph_capture.autocast_state import AutocastMismatchError
-from remat.graph_capture.joint import DoubleBackwardError, ParameterMismatchError, RetainedGraphWarning
+from remat.graph_capture.joint import (DoubleBackwardError, FusedAttentionWarning, ParameterMismatchError,
+                                       RetainedGraphWarning)
 from remat.graph_capture.outputs import OutputError
 from remat.measure import count_flops, measure_peak, resident_bytes
 from remat.runtime.compile import CompiledPeakWarning
@@ -32,5 +33,5 @@ __all__ = ["optimize", "plan", "capture", "solve", "Solver", "CaptureOptions", "
            "RematError", "RematWarning",
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "CompiledPeakWarning", "SolverFallbackWarning",
+           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "FusedAttentionWarning", "CompiledPeakWarning", "SolverFallbackWarning",
            "NotAChainError"]
