@@ -19,7 +19,9 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["quiet_profile", "memory_peak", "memory_peaks", "storage_bytes", "distinct_storage_bytes", "ALLOCATORS",
+from remat.core.errors import RematError
+
+__all__ = ["quiet_profile", "profiler_recording", "ProfilerBusyError", "memory_peak", "memory_peaks", "storage_bytes", "distinct_storage_bytes", "ALLOCATORS",
            "CUDA_BLOCK_BYTES", "allocation_bytes"]
 
 # How each device's allocator counts an allocation of n bytes (the memory model a graph is built
@@ -143,13 +145,29 @@ def _without_usdt_lines() -> Iterator[None]:
                 data = data[os.write(2, data):]
 
 
+class ProfilerBusyError(RematError, RuntimeError):
+    """Another profiler is already recording in this process: a second one would end its
+    recording (torch keeps one profiling session at a time), so nothing it measured would count."""
+
+
+def profiler_recording() -> bool:
+    """Whether a profiler (torch.profiler.profile, remat.measure_peak, ...) is recording now."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
 @contextmanager
 def quiet_profile(**kwargs) -> Iterator[torch.profiler.profile]:
     """`torch.profiler.profile(**kwargs)` without the "USDT ... profiler_start/stop" lines Kineto
     prints on stderr when it starts and stops. Only the start and the stop are filtered, not the
-    code profiled, and every other line is passed through."""
+    code profiled, and every other line is passed through. Raises ProfilerBusyError where a
+    profiler is recording already: torch would end that one's session when this one stops, and it
+    would measure nothing (a planned module planning a new call inside remat.measure_peak did)."""
     from torch.profiler import profile
 
+    if profiler_recording():
+        raise ProfilerBusyError("another profiler is already recording in this process (torch.profiler.profile, "
+                                "remat.measure_peak or remat.count_flops): starting a second one would end its "
+                                "recording; run this outside it")
     prof = profile(**kwargs)
     with _without_usdt_lines():
         prof.__enter__()

@@ -27,6 +27,7 @@ after it, so the probe holds one op's tensors at a time.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 
@@ -37,11 +38,17 @@ from torch.profiler import ProfilerActivity, record_function
 from remat.core.progress import stage
 from remat.graph_capture.rng_replay import probe_callable
 from remat.compat.torch_private import disable_current_modes, profiler_allocations, profiler_events
-from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peaks, quiet_profile,
-                                           storage_bytes)
+from remat.core.errors import RematWarning
+from remat.graph_capture.profiling import (allocation_bytes, distinct_storage_bytes, memory_peaks, profiler_recording,
+                                           quiet_profile, storage_bytes)
 
-__all__ = ["OpProbe", "Case", "Layout", "probe_ops", "default_min_bytes", "tensors_in", "run_cases", "real_args", "real_like",
-           "layout_of", "op_groups", "op_signature"]
+__all__ = ["OpProbe", "Case", "WorkspaceNotMeasuredWarning", "Layout", "probe_ops", "default_min_bytes", "tensors_in",
+           "run_cases", "real_args", "real_like", "layout_of", "op_groups", "op_signature"]
+
+
+class WorkspaceNotMeasuredWarning(RematWarning):
+    """A call was planned on the CPU while another profiler was recording: its ops' scratch memory
+    and real output storages were not measured, so its predicted peak can fall short."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +262,13 @@ def _run_cases(cases: Iterable[Case], device: torch.device, allocator: str, prog
             del out, args, kwargs
         return results
     if device.type != "cpu":
+        return results
+    if profiler_recording():  # a second profiler would end that one's recording (profiling.quiet_profile)
+        warnings.warn(WorkspaceNotMeasuredWarning(
+            "a call was planned while another profiler was recording (torch.profiler.profile, remat.measure_peak): "
+            "its ops' scratch memory was not measured, since a second profiler would end that one's recording, so "
+            "its predicted peak can fall short of the measured one; make the call with these shapes once before "
+            "profiling"), stacklevel=2)
         return results
     ran: list[tuple[object, int, tuple]] = []  # (key, output bytes, storages) of each case that ran
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -15,6 +15,8 @@ from remat.graph_capture.autocast_state import AutocastMismatchError
 from remat.graph_capture.joint import (DoubleBackwardError, FusedAttentionWarning, ParameterMismatchError,
                                        RetainedGraphWarning)
 from remat.graph_capture.outputs import OutputError
+from remat.graph_capture.profiling import ProfilerBusyError
+from remat.graph_capture.workspace import WorkspaceNotMeasuredWarning
 from remat.measure import count_flops, measure_peak, resident_bytes
 from remat.runtime.compile import CompiledPeakWarning
 from remat.runtime.module import OutsideBudgetWarning, PlanCacheLimitWarning, RematModule
@@ -33,5 +35,6 @@ __all__ = ["optimize", "plan", "capture", "solve", "Solver", "CaptureOptions", "
            "RematError", "RematWarning",
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "FusedAttentionWarning", "CompiledPeakWarning", "SolverFallbackWarning",
+           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "FusedAttentionWarning",
+           "WorkspaceNotMeasuredWarning", "ProfilerBusyError", "CompiledPeakWarning", "SolverFallbackWarning",
            "NotAChainError"]

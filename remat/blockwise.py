@@ -160,14 +160,18 @@ def _to_planned(planned: nn.Module | None, own):
 def _detached(x: Any) -> Any:
     """A copy of a block's argument as training passes it: tensors detached and copied with their
     strides (a non-contiguous slice stays laid out as the calls will pass it: strides are part of a
-    call's key), requiring grad where the original does."""
+    call's key; an expanded tensor, stride 0 along a dimension, is copied as one slice along it,
+    expanded again), requiring grad where the original does."""
     def copy(t):
         if not isinstance(t, torch.Tensor):
             return t
-        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded: cannot be written as laid out
-            c = t.detach().clone()
-        else:
-            c = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
+        src, expanded = t.detach(), False
+        for d, (n, st) in enumerate(zip(t.shape, t.stride())):
+            if st == 0 and n > 1:  # ProphetNet's relative positions: (0, 0, 32, 1)
+                src, expanded = src.narrow(d, 0, 1), True
+        c = torch.empty_strided(src.shape, src.stride(), dtype=t.dtype, device=t.device).copy_(src)
+        if expanded:
+            c = c.expand(t.shape)
         return c.requires_grad_(t.requires_grad) if c.is_floating_point() or c.is_complex() else c
     return pytree.tree_map(copy, x)
 

@@ -346,3 +346,38 @@ def test_a_loss_of_shape_one_holds_its_seed_gradient():
     torch.manual_seed(0)
     with pytest.warns(remat.runtime.module.OutsideBudgetWarning):
         _check(LossOfShapeOne(), (torch.randn(16, 16), torch.randint(0, 8, (16,))), loss_of=lambda out: out["loss"])
+
+
+def test_a_measurement_inside_another_profilers_recording_is_refused():
+    """torch keeps one profiling session: a second profiler ends the first one's recording, and
+    measure_peak then read no events (a block planned inside blockwise's calibration measured the
+    step at its parameters' bytes alone, and ProphetNet's plan went 4.6% over its budget)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        with pytest.raises(remat.ProfilerBusyError, match="already recording"):
+            remat.measure_peak(lambda: torch.empty(1000))
+    with pytest.raises(remat.ProfilerBusyError):
+        remat.measure_peak(lambda: remat.measure_peak(lambda: torch.empty(1000)))
+    assert remat.measure_peak(lambda: torch.empty(1000)) == 4000  # and outside one, as before
+
+
+def test_a_call_planned_inside_a_profiler_leaves_its_recording_intact():
+    """A planned module's first call of a new shape inside torch.profiler.profile is planned without
+    probing its ops (the probe's own profiler would end the user's session): it warns, trains as
+    eager does, and the user's profiler still records what runs after it."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.manual_seed(0)
+    model = MLP(16, 3, norm=True, residual=True, dropout=0.0)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    opt = remat.optimize(model, budget_bytes=2**30, example_inputs=(x, y), solver="keep_all", quiet=True)
+    x2, y2 = torch.randn(6, 16), torch.randn(6, 16)
+    want = model(x2, y2)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with pytest.warns(remat.WorkspaceNotMeasuredWarning, match="another profiler was recording"):
+            got = opt(x2, y2)
+        with record_function("after_the_planned_call"):
+            got.backward()
+    assert torch.allclose(got, want)
+    assert any(e.name == "after_the_planned_call" for e in prof.events())
