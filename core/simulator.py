@@ -210,14 +210,11 @@ def dead_steps(graph: TrainingGraph, schedule: list[str]) -> set[int]:
     change (a removed instance had no reader), so it is found once for all reads, on arrays as in
     _simulate_arrays (the plan searches prune thousands of schedules); then round by round only over
     the instances whose last reader a round removed."""
-    tab = _tables(graph)
-    steps = _steps(graph, schedule)
-    length = len(steps)
+    tab, steps = _tables(graph), _steps(graph, schedule)
+    length, a = len(steps), tab.arrays
     if not length:
         return set()
-    a = tab.arrays
-    at = np.array(steps, dtype=np.int64)
-    step = np.arange(length)
+    at, step = np.array(steps, dtype=np.int64), np.arange(length)
     deg = a.read_count[at]
     read_step = np.repeat(step, deg)
     read_key = a.read_keys[np.repeat(a.read_start[at] - np.cumsum(deg) + deg, deg) + np.arange(read_step.size)]
@@ -233,12 +230,9 @@ def dead_steps(graph: TrainingGraph, schedule: list[str]) -> set[int]:
     unread = np.flatnonzero((readers == 0) & ~a.kept[at]).tolist()
     if not unread:
         return set()
-    count = np.bincount(at, minlength=len(graph.nodes)).tolist()
-    kept = a.kept.tolist()
-    readers = readers.tolist()
+    count, kept, readers = np.bincount(at, minlength=len(graph.nodes)).tolist(), a.kept.tolist(), readers.tolist()
     starts = np.searchsorted(read_step, np.arange(length + 1)).tolist()  # step s's reads: starts[s]:starts[s + 1]
-    source = source.tolist()
-    dead: set[int] = set()
+    source, dead = source.tolist(), set()
     while unread:
         removed = []
         for s in unread:
