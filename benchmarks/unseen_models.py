@@ -13,7 +13,9 @@ Data2Vec-Vision, LED (Longformer's encoder-decoder, added later: planned block b
 traced twice, which a fake-tensor cache had made differ), and later still a 2-layer LSTM with dropout
 between its layers (which the traced step had dropped) and Llama checkpointing its own layers
 (gradient_checkpointing_enable, use_reentrant=False), then a bidirectional GRU, then Falcon-Mamba (Mamba with
-RMS-normalised state-space parameters, 64 tokens): small configs (width 64, 2-3 layers,
+RMS-normalised state-space parameters, 64 tokens), then BigBird's block-sparse attention (which
+writes into its attention's output in place) and ProphetNet (planned block by block, its blocks
+called with expanded tensors): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -158,6 +160,16 @@ def _models() -> dict:
         "gru": lambda: (GRUTagger(), dict(input_ids=ids, labels=ids)),
         "gru_short": lambda: (GRUTagger(), dict(input_ids=ids[:, :8], labels=ids[:, :8])),  # 8 steps
         "llama_checkpointed": llama_checkpointed,
+        # writes into its attention's output in place (`unsqueeze_`): traced with its own attention code
+        "big_bird_sparse": lambda: (tf.BigBirdForMaskedLM(tf.BigBirdConfig(
+            **common, attention_type="block_sparse", block_size=8, num_random_blocks=1)),
+            dict(input_ids=ids, labels=ids)),
+        # planned block by block (an `.item()` assert); its blocks take expanded relative-position tensors
+        "prophetnet": lambda: (tf.ProphetNetForConditionalGeneration(tf.ProphetNetConfig(
+            vocab_size=V, hidden_size=W, encoder_ffn_dim=2 * W, decoder_ffn_dim=2 * W, num_encoder_layers=2,
+            num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4, ngram=2,
+            num_buckets=16, relative_max_distance=32, max_position_embeddings=S, pad_token_id=0,
+            decoder_start_token_id=2)), s2s),
         "falcon_mamba": lambda: (tf.FalconMambaForCausalLM(tf.FalconMambaConfig(vocab_size=V, hidden_size=W, state_size=8,
                                                                                 num_hidden_layers=2, pad_token_id=0)),
                                  dict(input_ids=ids, labels=ids, use_cache=False)),
@@ -170,7 +182,7 @@ def _models() -> dict:
 BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
-          "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba")
+          "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet")
 
 
 def _loss(out):
