@@ -26,24 +26,18 @@ import torch
 import torch.nn as nn
 
 from remat.core.errors import RematError, RematWarning
-from remat.compat.torch_private import (allow_retained_backward, aot_compile_joint, aot_export_joint,
-                                       as_partitioner_runs, backward_keeps_graph, joint_graph, joint_needs_autograd,
-                                       fresh_fake_tensor_cache, joint_state_names, pytree)
+from remat.compat.torch_private import (allow_retained_backward, aot_compile_joint, as_partitioner_runs,
+                                       backward_keeps_graph, joint_graph, joint_needs_autograd, joint_state_names,
+                                       pytree)
 from remat.graph_capture.eager_calls import eager_executable
-from remat.graph_capture.host_rng import HostRandomError, host_rng_states, host_rngs_drawn
-from remat.graph_capture.module_paths import annotate_module_paths, record_module_spans
+from remat.graph_capture.export import TraceError, export_joint
+from remat.graph_capture.module_paths import annotate_module_paths
 from remat.graph_capture.outputs import OutputError, OutputStructure
-from remat.graph_capture.trace_failures import trace_failure, what_failed
+from remat.graph_capture.trace_failures import what_failed
 from remat.graph_capture.unreached_gradients import gradient_sources, leave_unreached_none
-from remat.core.progress import Stage
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "ParameterMismatchError", "DoubleBackwardError",
-           "RetainedGraphWarning", "FusedAttentionWarning", "CompiledStep", "CapturedStep", "run_boxed",
-           "capture_training_step"]
-
-
-class TraceError(RematError, RuntimeError):
-    """The model's training step could not be traced; the message names the op or source line."""
+           "RetainedGraphWarning", "CompiledStep", "CapturedStep", "run_boxed", "capture_training_step"]
 
 
 class ParameterMismatchError(RematError, RuntimeError):
@@ -319,66 +313,13 @@ class CapturedStep:
         return guard_autocast(CompiledStep(run, self._step, sources, n_fwd), self._autocast)
 
 
-class FusedAttentionWarning(RematWarning):
-    """Tracing the step with remat's fused attention op failed where tracing the model's own
-    attention code did not: the step is traced without the fused op."""
-
-
-class _FusedAttentionFailed(Exception):
-    """Tracing failed after attention was routed to the fused op (the cause: `__cause__`)."""
-
-
-def _export_joint(stack: ExitStack, model: nn.Module, step, flat: list, fused_attention: bool | str,
-                  chunked_loss: bool):
-    """AOTAutograd's joint graph of `step`, the module spans recorded while tracing it and the
-    autocast state it was traced in, with the contexts it needs entered on `stack`. Raises
-    _FusedAttentionFailed where tracing failed after attention was routed to the fused op,
-    TraceError (or OutputError) for any other failure."""
-    from remat.graph_capture.autocast_state import AutocastState, backward_traced_as_eager, step_device_types
-    from remat.graph_capture.hf_compat import traced_as_compiled
-    from remat.attention.router import route_attention
-    from remat.loss_head.router import route_loss_head
-
-    name = type(model).__name__
-    tracing = Stage("tracing the training step (forward and backward)", None, "it")
-    router = None
-    try:
-        spans = stack.enter_context(record_module_spans(model))
-        router = stack.enter_context(route_attention(fused_attention, model))
-        stack.enter_context(route_loss_head(bool(chunked_loss)))
-        # trace as torch.compile does, so that Hugging Face skips its data-dependent mask
-        # shortcuts (graph_capture/hf_compat.py); the step checks each call runs under the
-        # autocast it was traced in, the backward without any (autocast_state.py)
-        autocast = AutocastState.current(step_device_types(model, flat))
-        stack.enter_context(traced_as_compiled())
-        stack.enter_context(backward_traced_as_eager())
-        stack.enter_context(torch.compiler.set_stance("force_eager"))
-        # from an empty fake-tensor cache (fresh_fake_tensor_cache says why): a module's first
-        # trace in a process and its later ones must count the same bytes, or a plan made on one
-        # would not match the other (a model planned block by block traces each block twice)
-        fresh_fake_tensor_cache()
-        host_rngs = host_rng_states()
-        joint = aot_export_joint(stack, step, flat)
-        drawn = host_rngs_drawn(host_rngs)
-        if drawn:  # frozen into the graph: every step would repeat the trace's draws (host_rng.py)
-            raise HostRandomError(drawn)
-    except (TraceError, OutputError):
-        raise
-    except Exception as e:  # tracing failures surface from deep inside torch: name the culprit
-        if router is not None and router.routed:
-            raise _FusedAttentionFailed() from e
-        raise TraceError(trace_failure(name, e, model)) from e
-    finally:
-        tracing.close()
-    return joint, spans, autocast
-
-
 @contextmanager
 def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str = True,
                           chunked_loss: bool = False) -> Iterator[CapturedStep]:
     """Trace model(*args, **kwargs) + its backward into AOTAutograd's joint graph (a CapturedStep,
     valid inside the `with`). With `fused_attention` (True/"exact", "all" or False), attention the
-    fused op can take is traced as remat's flash-attention op (see remat.attention.router). With
+    fused op can take is traced as remat's flash-attention op (see remat.attention.router; where
+    that trace fails, the model's own attention code: graph_capture/export.py). With
     `chunked_loss`, a linear head followed by cross-entropy is traced as remat's chunked loss op
     (see remat.loss_head.router). Modules torch.compile wrapped are traced as the eager modules they
     wrap (`set_stance("force_eager")`): the compiler must not run inside the trace.
@@ -395,21 +336,7 @@ def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fu
     step = _FlatStep(model, sig)
     name = type(model).__name__
     with ExitStack() as stack:
-        attempt = stack.enter_context(ExitStack())
-        try:
-            with warnings.catch_warnings():
-                if fused_attention_mode(fused_attention) != "off":  # autograd's report of a failure retried below
-                    warnings.filterwarnings("ignore", "Error detected in", UserWarning)
-                joint, spans, autocast = _export_joint(attempt, model, step, flat, fused_attention, chunked_loss)
-        except _FusedAttentionFailed as failed:
-            # the model's own attention code computes what it computes: trace that instead, and say so
-            attempt.close()
-            joint, spans, autocast = _export_joint(stack, model, step, flat, False, chunked_loss)
-            warnings.warn(FusedAttentionWarning(
-                f"fused attention left off for {name}: tracing it with remat's fused attention op failed "
-                f"({what_failed(failed.__cause__)}), so the model's own attention code is traced instead. The "
-                "fused op keeps its output for its backward: a model that writes into attention's output in place "
-                "(BigBird's block-sparse attention does) cannot use it"), stacklevel=3)
+        joint, spans, autocast = export_joint(stack, model, step, flat, fused_attention, chunked_loss)
         if sig.outputs is None:
             raise TraceError("tracing did not run the model's forward")
         if not joint_needs_autograd(joint):  # traced for inference: no output depends on a parameter

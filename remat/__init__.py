@@ -12,8 +12,8 @@ from remat.api import InfeasibleBudgetError, TraceError, capture, optimize, solv
 from remat.core.errors import RematError, RematWarning
 from remat.blockwise import BlockwiseModule, BlockwisePlanWarning
 from remat.graph_capture.autocast_state import AutocastMismatchError
-from remat.graph_capture.joint import (DoubleBackwardError, FusedAttentionWarning, ParameterMismatchError,
-                                       RetainedGraphWarning)
+from remat.graph_capture.export import FusedAttentionWarning
+from remat.graph_capture.joint import DoubleBackwardError, ParameterMismatchError, RetainedGraphWarning
 from remat.graph_capture.outputs import OutputError
 from remat.graph_capture.profiling import ProfilerBusyError
 from remat.graph_capture.workspace import WorkspaceNotMeasuredWarning
