@@ -230,9 +230,13 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     position = {n: i for i, n in enumerate(g.nodes)}
     for n in g.nodes:
         if n.op == "placeholder":
+            # each tangent is its own tensor when the step runs (the gradient autograd passes for
+            # each output, zeros where none), even where the trace gives tangents of outputs that
+            # alias one storage (BLIP returns one tensor twice): the simulator counts each
+            tangent = _is_tangent(n)
             for t in tensors_in(n.meta.get("val")):
                 ref = StorageWeakRef(t.untyped_storage())
-                if ref not in resident:
+                if tangent or ref not in resident:
                     resident.add(ref)
                     resident_bytes += allocation_bytes(_storage_bytes(t), allocator)
                     traced_resident += _storage_bytes(t)

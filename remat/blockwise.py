@@ -16,8 +16,9 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
 3. **Plans at levels**: every distinct block graph is planned at `levels` budgets, from its
    smallest feasible one (level 0: least memory) to keep_all's peak (no recomputation).
 4. **How the blocks' budgets are set**: every block gets its level-0 plan and one calibration step
-   of the whole model (forward and backward, on the example inputs) measures the step's peak M0 (as
-   `remat.measure_peak` does; the model is left as it was). The highest level j whose bound fits the
+   of the whole model (forward and backward, on the example inputs, its outputs held through the
+   backward as a training loop holds them) measures the step's peak M0 (as `remat.measure_peak`
+   does; the model is left as it was). The highest level j whose bound fits the
    budget is chosen (`runtime/distributed.py`'s `fit_block_level`, as for FSDP2): a block planned at
    level j holds dS more between its forward and its backward, and adds dP more at its own peak
    while it runs (both from the simulator), so the step peaks at most at
@@ -249,8 +250,13 @@ def _measure(module: nn.Module, model: nn.Module, args: tuple, kwargs: dict) -> 
 
     device = _cuda_device(model, args, kwargs)
     resident = [model, *[t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
+
+    def step():  # the outputs held through the backward, as a training loop holds them and the plans count them
+        out = module(*args, **kwargs)
+        _loss(out).backward()
+
     with untouched(model, device):
-        return measure_peak(lambda: _loss(module(*args, **kwargs)).backward(), resident=resident, device=device)
+        return measure_peak(step, resident=resident, device=device)
 
 
 def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, error: TraceError, *,

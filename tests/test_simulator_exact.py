@@ -381,3 +381,22 @@ def test_a_call_planned_inside_a_profiler_leaves_its_recording_intact():
             got.backward()
     assert torch.allclose(got, want)
     assert any(e.name == "after_the_planned_call" for e in prof.events())
+
+
+class ReturnsOneTensorTwice(nn.Module):
+    """BLIP returns its vision encoder's last hidden state twice (`image_embeds`, `last_hidden_state`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.a(x)
+        return {"loss": self.b(h.relu()).pow(2).mean(), "emb": h, "again": h}
+
+
+def test_one_tensor_returned_twice_is_predicted_exactly():
+    # the trace gives the two outputs' tangents one storage, and the resident bytes counted it once,
+    # while each is its own zeros tensor in the step: the forward was predicted one tangent short
+    torch.manual_seed(0)
+    _check(ReturnsOneTensorTwice(), (torch.randn(64, 32),), loss_of=lambda out: out["loss"])
