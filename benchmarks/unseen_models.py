@@ -14,8 +14,9 @@ traced twice, which a fake-tensor cache had made differ), and later still a 2-la
 between its layers (which the traced step had dropped) and Llama checkpointing its own layers
 (gradient_checkpointing_enable, use_reentrant=False), then a bidirectional GRU, then Falcon-Mamba (Mamba with
 RMS-normalised state-space parameters, 64 tokens), then BigBird's block-sparse attention (which
-writes into its attention's output in place) and ProphetNet (planned block by block, its blocks
-called with expanded tensors): small configs (width 64, 2-3 layers,
+writes into its attention's output in place), ProphetNet (planned block by block, its blocks
+called with expanded tensors), BLIP (returns one tensor twice) and ViLT (planned block by block,
+returns its logits): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -170,6 +171,19 @@ def _models() -> dict:
             num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4, ngram=2,
             num_buckets=16, relative_max_distance=32, max_position_embeddings=S, pad_token_id=0,
             decoder_start_token_id=2)), s2s),
+        # returns one tensor twice (image_embeds, the vision model's last hidden state)
+        "blip": lambda: (tf.BlipForConditionalGeneration(tf.BlipConfig(
+            text_config=dict(vocab_size=V, hidden_size=W, intermediate_size=2 * W, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=S, encoder_hidden_size=W,
+                             pad_token_id=0, bos_token_id=1, sep_token_id=2),
+            vision_config=dict(hidden_size=W, intermediate_size=2 * W, num_hidden_layers=2, num_attention_heads=4,
+                               image_size=32, patch_size=8), projection_dim=32)),
+            dict(input_ids=ids, attention_mask=mask, pixel_values=pics["pixel_values"], labels=ids)),
+        # planned block by block (an interpolation size read from the data); returns its MLM logits
+        "vilt": lambda: (tf.ViltForMaskedLM(tf.ViltConfig(
+            vocab_size=V, hidden_size=W, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * W,
+            image_size=32, patch_size=8, max_position_embeddings=S, max_image_length=-1)),
+            dict(input_ids=ids, attention_mask=mask, pixel_values=pics["pixel_values"], labels=ids)),
         "falcon_mamba": lambda: (tf.FalconMambaForCausalLM(tf.FalconMambaConfig(vocab_size=V, hidden_size=W, state_size=8,
                                                                                 num_hidden_layers=2, pad_token_id=0)),
                                  dict(input_ids=ids, labels=ids, use_cache=False)),
@@ -182,7 +196,8 @@ def _models() -> dict:
 BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
-          "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet")
+          "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet",
+          "blip", "vilt")
 
 
 def _loss(out):

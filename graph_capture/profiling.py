@@ -21,8 +21,8 @@ import torch
 
 from remat.core.errors import RematError
 
-__all__ = ["quiet_profile", "profiler_recording", "ProfilerBusyError", "memory_peak", "memory_peaks", "storage_bytes", "distinct_storage_bytes", "ALLOCATORS",
-           "CUDA_BLOCK_BYTES", "allocation_bytes"]
+__all__ = ["quiet_profile", "profiler_recording", "ProfilerBusyError", "memory_peak", "memory_peaks", "storage_bytes",
+           "distinct_storage_bytes", "ALLOCATORS", "CUDA_BLOCK_BYTES", "allocation_bytes"]
 
 # How each device's allocator counts an allocation of n bytes (the memory model a graph is built
 # with): "cpu" exactly n (the profiler's memory events, what remat.measure_peak sums); "cuda" n

@@ -50,7 +50,8 @@ def measure_peak(fn: Callable[[], object], resident: Iterable = (), device: str 
     see `remat.graph_capture.profiling.memory_peak`).
 
     `device` None: measured where the work is, CUDA when any of `resident` is on a GPU (or, with
-    nothing resident given, when CUDA holds memory in this process), else CPU."""
+    nothing resident given, when CUDA holds memory in this process), else CPU. On the CPU it
+    raises ProfilerBusyError inside another profiler's recording (torch keeps one at a time)."""
     resident = list(resident)
     device = torch.device(device) if device is not None else _work_device(resident)
     if device is not None and device.type == "cuda":
@@ -128,7 +129,8 @@ def count_flops(fn: Callable[[], object]) -> int:
     runs a torch.compile'd model eagerly, and keeps running it eagerly afterwards, so the
     recomputations its partitioner put in the compiled backward would go uncounted; the profiler
     records the ops the compiled code calls (Inductor calls matmuls and convolutions as ATen ops).
-    It starts a profiler of its own, so it cannot run inside another profiler's recording."""
+    It starts a profiler of its own, so it cannot run inside another profiler's recording
+    (ProfilerBusyError)."""
     from torch.profiler import ProfilerActivity
 
     formulas = _formulas()
