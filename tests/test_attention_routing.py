@@ -269,6 +269,24 @@ class _Block(torch.nn.Module):
         return F.cross_entropy(self.head(y).view(-1, self.V), targets.view(-1))
 
 
+def _eager_step(model, idx, targets):
+    """The model's own loss and gradients (its gradients cleared after)."""
+    loss = model(idx, targets)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
+def _trains_as_eager(opt, model, idx, targets, loss, grads):
+    loss2 = opt(idx, targets)
+    loss2.backward()
+    assert torch.allclose(loss2, loss, rtol=1e-5, atol=1e-6), (loss2.item(), loss.item())
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is not None and torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6), \
+            (p.shape, (p.grad - g).abs().max())
+
+
 @pytest.mark.parametrize("spelling,fused", [("idiv_scale", True), ("masked_fill_", True), ("iadd_rel_bias", False)])
 def test_reported_inplace_spellings_match_eager(spelling, fused):
     """The three reported silent wrong gradients: `att /= sqrt(d)` (scale lost), `att.masked_fill_`
@@ -277,18 +295,10 @@ def test_reported_inplace_spellings_match_eager(spelling, fused):
     torch.manual_seed(0)
     model = _Block(spelling)
     idx, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
-    loss = model(idx, targets)
-    loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    loss, grads = _eager_step(model, idx, targets)
     opt = remat.optimize(model, budget_bytes=2**40, example_inputs=(idx, targets), solver="keep_all")
     assert sum(n.op.startswith("flash_attention") for n in opt.graph.nodes) == (2 if fused else 0)
-    loss2 = opt(idx, targets)
-    loss2.backward()
-    assert torch.allclose(loss2, loss, rtol=1e-5, atol=1e-6), (loss2.item(), loss.item())
-    for p, g in zip(model.parameters(), grads):
-        assert p.grad is not None and torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6), \
-            (p.shape, (p.grad - g).abs().max())
+    _trains_as_eager(opt, model, idx, targets, loss, grads)
 
 
 @pytest.mark.parametrize("spelling", ["out_unsqueeze_", "out_mul_"])
@@ -299,19 +309,11 @@ def test_attention_whose_output_is_modified_in_place_is_left_unfused(spelling):
     torch.manual_seed(0)
     model = _Block(spelling)
     idx, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
-    loss = model(idx, targets)
-    loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    loss, grads = _eager_step(model, idx, targets)
     with pytest.warns(remat.FusedAttentionWarning, match="fused attention left off for _Block"):
         opt = remat.optimize(model, budget_bytes=2**40, example_inputs=(idx, targets), solver="keep_all")
     assert not any(n.op.startswith("flash_attention") for n in opt.graph.nodes)
-    loss2 = opt(idx, targets)
-    loss2.backward()
-    assert torch.allclose(loss2, loss, rtol=1e-5, atol=1e-6), (loss2.item(), loss.item())
-    for p, g in zip(model.parameters(), grads):
-        assert p.grad is not None and torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6), \
-            (p.shape, (p.grad - g).abs().max())
+    _trains_as_eager(opt, model, idx, targets, loss, grads)
     with warnings.catch_warnings():  # the model's later traces skip the failed attempt: no second warning
         warnings.simplefilter("error", remat.FusedAttentionWarning)
         again = remat.optimize(model, budget_bytes=2**40, example_inputs=(idx, targets), solver="keep_all")
