@@ -156,7 +156,8 @@ def _head_worth_tracing(graph: TrainingGraph, budget: int) -> bool:
 
 
 class _NotCheaper(Exception):
-    """The chunked head's graph cannot cost less in all than the model's head's plan (`_may_cost_less`)."""
+    """The chunked head's graph cannot cost less in all than the model's head's plan (`_may_cost_less`),
+    or has no chunked head (the router took none: the model's own step, planned as its head)."""
 
 
 def _may_cost_less(graph: TrainingGraph, budget: int, total: float) -> bool:
@@ -327,6 +328,8 @@ class StepPlanner:
 
             def recording(graph: TrainingGraph) -> tuple[Plan, str]:
                 traced[chunked] = graph
+                if chunked and mode == "auto" and not has_chunked_head(graph):
+                    raise _NotCheaper  # not solved twice (DPT's pixel-wise loss: 18 s each)
                 if to_beat is not None and not _may_cost_less(graph, limit, to_beat):
                     raise _NotCheaper
                 return choose(graph)
@@ -359,9 +362,8 @@ class StepPlanner:
             return plain  # nothing recomputed: the chunked head could only add its matmul
         if plain is not None and not _head_worth_tracing(traced[False], limit):
             return plain
+        # None also where the router took no head: the same step as the model's, not solved again
         chunked = fitting(True, to_beat=None if plain is None else plain.plan.total_cost)
-        if chunked is not None and not has_chunked_head(chunked.graph):
-            chunked = None  # no head the router could take: the same step as the model's
         if plain is None and chunked is None:
             # neither fits: the smallest budget either head reaches, searched now on the graphs
             # traced above (each head traced once: a trace costs seconds, Funnel's ~5 s each), the

@@ -442,6 +442,34 @@ def test_the_chunked_head_is_not_solved_where_its_rows_bound_says_it_cannot_cost
     assert full.fits and chunked.total_cost + full.extra_cost >= opt.plan.total_cost
 
 
+class Softcapped(Wide):
+    """Wide with its logits soft-capped (Gemma-2): a cross-entropy the chunked op cannot take."""
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(30 * torch.tanh(self.head(x) / 30), y)
+
+
+def test_a_head_the_router_cannot_take_is_not_solved_twice(monkeypatch):
+    """Under "auto" the chunked head's trace of a model whose cross-entropy the router leaves alone
+    is the model's own step again: it is not solved a second time (DPT's pixel-wise loss: 18 s)."""
+    import remat.pipeline as pipeline
+
+    torch.manual_seed(0)
+    model, args = Softcapped(512), (torch.randn(256, 64), torch.randint(0, 512, (256,)))
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    heads, solved = [], []
+    real_step, real_get = pipeline.planned_step, pipeline.get_solver
+    monkeypatch.setattr(pipeline, "planned_step", lambda *a, chunked=False, **k: heads.append(chunked) or real_step(
+        *a, chunked=chunked, **k))
+    monkeypatch.setattr(pipeline, "get_solver", lambda name: lambda graph, *a, **k: solved.append(
+        has_chunked_head(graph)) or real_get(name)(graph, *a, **k))
+    opt = remat.optimize(model, budget_bytes=int(0.8 * keep), example_inputs=args, quiet=True)
+    assert heads == [False, True] and solved == [False] and opt.plan.details["loss_head"] == "unchunked"
+    assert opt.plan.extra_cost > 0
+
+
 def test_under_both_heads_smallest_budgets_each_head_is_traced_once_and_the_smaller_is_named(monkeypatch):
     """Under a budget neither head fits, `optimize` names the smaller of the two heads' smallest
     budgets (each head's lowest-peak search on the graph traced for it, not traced again), and
