@@ -33,6 +33,7 @@ Entry points (what each is for):
 * `compile_session()`: hold `torch.compiler.is_compiling()` true, as torch.compile does;
 * `profiler_events(prof)`: the profiler's raw event list ([memory] events included);
 * `profiler_allocations(prof)`: the profile's allocations and frees with their addresses;
+* `profiler_enabled()`: whether a profiler is recording now (torch keeps one session at a time);
 * `compiled_submodules(model)`: which modules torch.compile wrapped (`torch.compile(m)`, `m.compile()`);
 * `inductor_compile(fn, inputs, is_backward)`: Inductor's compiler for one already-partitioned
   forward or backward graph (what torch.compile runs after its own partitioner);
@@ -68,7 +69,7 @@ __all__ = ["TESTED_TORCH", "count_grouped_query_attention", "rnn_dropout_between
            "as_partitioner_runs", "default_partition", "extract_fwd_bwd_modules",
            "allow_retained_backward", "backward_keeps_graph",
            "is_input_mutation_output", "aot_backward_node", "tangent_output", "compile_session", "profiler_events", "profiler_allocations",
-           "compiled_submodules",
+           "profiler_enabled", "compiled_submodules",
            "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake", "fresh_fake_tensor_cache"]
 
 # The torch releases the tests of this module passed on (pyproject pins the same range).
@@ -278,6 +279,11 @@ class Allocation(NamedTuple):
     nbytes: int
     ptr: int  # the block's address
     device: str  # "cpu", "cuda", ...
+
+
+def profiler_enabled() -> bool:
+    """Whether a profiler (torch.profiler.profile, torch.autograd.profiler.profile) is recording now."""
+    return bool(torch._C._autograd._profiler_enabled())
 
 
 def profiler_allocations(prof: torch.profiler.profile) -> list[Allocation]:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from remat.compat.torch_private import profiler_enabled
 from remat.core.errors import RematError
 
 __all__ = ["quiet_profile", "profiler_recording", "ProfilerBusyError", "memory_peak", "memory_peaks", "storage_bytes",
@@ -152,7 +153,7 @@ class ProfilerBusyError(RematError, RuntimeError):
 
 def profiler_recording() -> bool:
     """Whether a profiler (torch.profiler.profile, remat.measure_peak, ...) is recording now."""
-    return bool(torch._C._autograd._profiler_enabled())
+    return profiler_enabled()
 
 
 @contextmanager

@@ -256,6 +256,13 @@ def test_profiler_allocations_carry_address_size_and_device():
         _fail("profiler_allocations", f"allocations at the block's address {seen}")
 
 
+def test_profiler_enabled_says_whether_a_profiler_records():
+    assert not tp.profiler_enabled(), _fail("profiler_enabled", "on outside any profiler")
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert tp.profiler_enabled(), _fail("profiler_enabled", "off inside torch.profiler.profile")
+    assert not tp.profiler_enabled(), _fail("profiler_enabled", "still on after the profiler stopped")
+
+
 def test_fake_tensor_mode_makes_tensors_without_data():
     mode = tp.fake_tensor_mode()
     with mode:
