@@ -11,7 +11,8 @@ from remat.blockwise import BlockwiseModule, plan_blockwise
 from remat.loss_head.router import chunked_loss_mode
 from remat.graph_capture.joint import TraceError
 from remat.core.training_graph import TrainingGraph
-from remat.pipeline import Decision, PlanOptions, StepPlanner, plan_head, planned_step, trace_graph
+from remat.head_choice import plan_head
+from remat.pipeline import Decision, PlanOptions, StepPlanner, planned_step, trace_graph
 from remat.deployment import check_context, load_plan, rejudge
 from remat.runtime.distributed import plan_on_one_rank
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, OutsideBudgetWarning, RematModule, call_key, describe_key,

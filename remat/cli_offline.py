@@ -25,7 +25,7 @@ from remat.machine_info import MiB, machine
 from remat.offline import (build, capture_graph, check_plan, keep_all_peak, largest_batch, load_factory,
                            takes_batch)
 from remat.deployment import check_context, describe_inputs, plan_context
-from remat.pipeline import loss_head_of
+from remat.head_choice import loss_head_of
 from remat.solver import STRATEGIES
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanFileError
 from remat.core.module_summary import module_summary, rollup

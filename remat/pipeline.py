@@ -37,9 +37,10 @@ the backward. "on" traces it so wherever the router proves it the model's functi
 "auto" (the default) makes it checkmate's choice (the baselines keep the model's head), per call:
 the step is planned with the model's own head first; where that plan recomputes nothing, it is kept
 (the chunked head would only add its matmul), and so is a fitting plan whose graph has no
-log-softmax of at least HEAD_SHARE (1%) of the budget (nothing a chunked head could save is worth a
-second trace); otherwise (a plan that recomputes, or no plan that fits) the step is traced again
-with the chunked head and planned too, and the plan that fits with the lower total cost (the graph's
+log-softmax computed from a linear (the only head the router can take) of at least HEAD_SHARE (1%)
+of the budget (nothing a chunked head could save is worth a second trace); otherwise (a plan that
+recomputes, or no plan that fits) the step is traced again with the chunked head, where its graph
+has such a log-softmax at all, and planned too, and the plan that fits with the lower total cost (the graph's
 cost plus its recomputations) is kept. Where the model's head has a plan that fits, the chunked
 head's graph is solved only if the rows' bound (solver/checkmate/peak_rows.py) leaves it room to
 cost less in all; otherwise it is dropped after that bound (HF Mamba and Funnel of
@@ -69,6 +70,8 @@ from remat.graph_capture.rewrites import prepare_joint_graph
 from remat.graph_capture.rng_replay import step_device_type
 from remat.core.training_graph import TrainingGraph
 from remat.deployment import plan_context, rejudge
+from remat.head_choice import (has_chunked_head, head_added, head_worth_tracing, loss_head_of, may_cost_less, plan_head,
+                               routable_log_softmaxes)
 from remat.runtime.compile import PlannedGraphs
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, PlannedStep, PlanRecord, RematModule, call_key, describe_key,
                                   model_device_types)
@@ -79,7 +82,8 @@ from remat.solver.checkmate.peak_rows import peak_floor
 from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
 from remat.core.simulator import ScheduleError, simulate
 from remat.loss_head.router import chunked_loss_mode
-from remat.solving import infeasible_budget, smallest_feasible_of_each, solve, strategy_options
+from remat.solving import (infeasible_budget, known_smallest_feasible, smallest_feasible_of_each, solve,
+                           strategy_options)
 
 __all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
            "REUSE_TIGHTNESS", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
@@ -142,56 +146,9 @@ def joint_info(captured: CapturedStep, cost_model: str = "flops") -> JointGraphI
     return info
 
 
-# "auto" traces the chunked head beside a plan that fits only where the model's head holds a
-# log-softmax of at least this share of the budget: below it the second trace costs more than the
-# head's bytes could save
-HEAD_SHARE = 0.01
-
-
-def _head_worth_tracing(graph: TrainingGraph, budget: int) -> bool:
-    """Whether `graph` (the model's head) has a cross-entropy whose log-softmax is big enough
-    (HEAD_SHARE of the budget) for the chunked head to be worth a second trace."""
-    sizes = [n.out_bytes for n in graph.nodes if not n.is_backward and n.op.startswith("_log_softmax")]
-    return bool(sizes) and max(sizes) >= HEAD_SHARE * budget
-
-
 class _NotCheaper(Exception):
-    """The chunked head's graph cannot cost less in all than the model's head's plan (`_may_cost_less`),
+    """The chunked head's graph cannot cost less in all than the model's head's plan (`may_cost_less`),
     or has no chunked head (the router took none: the model's own step, planned as its head)."""
-
-
-def _may_cost_less(graph: TrainingGraph, budget: int, total: float) -> bool:
-    """Whether a plan of `graph` under `budget` may cost less than `total` (the graph's cost plus its
-    recomputations): the rows' proven bound on its recomputations leaves room for that (the bound of
-    the schedules in the graph's order, the scope of checkmate's own; no plans made: on a 2-layer LSTM
-    of 3,989 nodes the rows' search with its plans took 99 s)."""
-    from remat.solver.checkmate.peak_rows import peak_rows_search
-
-    room = total - graph.total_cost
-    return room > 0 and peak_rows_search(graph, budget, incumbent=room, bound_only=True).bound < room
-
-
-def has_chunked_head(graph: TrainingGraph) -> bool:
-    """Whether the loss head of `graph` is remat's chunked op (the router routed one)."""
-    return any(n.op.startswith("chunked_linear_cross_entropy") for n in graph.nodes)
-
-
-def loss_head_of(graph: TrainingGraph) -> str:
-    """The loss head a traced graph has, as plans record it: "chunked" or "unchunked"."""
-    return "chunked" if has_chunked_head(graph) else "unchunked"
-
-
-def head_added(chunked: TrainingGraph, plain: TrainingGraph) -> dict[str, Any]:
-    """What the chunked head's graph adds to the model's own: FLOPs, and cost in the cost model's
-    units (the plan's extra cost counts only its recomputations), as details for reports."""
-    return {"loss_head_flops": sum(n.flops for n in chunked.nodes) - sum(n.flops for n in plain.nodes),
-            "loss_head_cost": chunked.total_cost - plain.total_cost}
-
-
-def plan_head(plan: Plan) -> str:
-    """The loss head a plan was made for: "chunked" or "unchunked" (plans made before the
-    option existed: unchunked)."""
-    return plan.context.get("loss_head") or plan.details.get("loss_head") or "unchunked"
 
 
 def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, decision: Decision,
@@ -280,6 +237,14 @@ class StepPlanner:
             else:
                 if peak_floor(graph) > budget:  # proven: no schedule in the graph's order fits
                     raise InfeasibleBudgetError(f"no plan fits {budget / 2**20:.2f} MiB (the peak's floor is over it)")
+                # the smallest budget found for this very graph (the same model traced again: a
+                # budget refused, then asked at the smallest one the refusal named, which the
+                # other head reached) is the smallest solve accepts, so solving under it is spared
+                # (BigBird's block-sparse attention at its smallest budget: 12 s)
+                smallest = known_smallest_feasible(graph, o.solver, o.time_limit_s, **o.solver_kwargs)
+                if smallest is not None and smallest > budget:
+                    raise InfeasibleBudgetError(f"no plan fits {budget / 2**20:.2f} MiB (the smallest budget found "
+                                                f"for this step is {smallest / 2**20:.2f} MiB)")
                 plan = get_solver(o.solver)(graph, budget, **strategy_options(
                     o.solver, o.time_limit_s, o.solver_kwargs).as_kwargs())
                 if plan.status == "infeasible" or not plan.fits:
@@ -330,7 +295,7 @@ class StepPlanner:
                 traced[chunked] = graph
                 if chunked and mode == "auto" and not has_chunked_head(graph):
                     raise _NotCheaper  # not solved twice (DPT's pixel-wise loss: 18 s each)
-                if to_beat is not None and not _may_cost_less(graph, limit, to_beat):
+                if to_beat is not None and not may_cost_less(graph, limit, to_beat):
                     raise _NotCheaper
                 return choose(graph)
 
@@ -360,10 +325,13 @@ class StepPlanner:
         plain = fitting(False)
         if plain is not None and (limit is None or plain.plan.extra_cost == 0):
             return plain  # nothing recomputed: the chunked head could only add its matmul
-        if plain is not None and not _head_worth_tracing(traced[False], limit):
+        if plain is not None and not head_worth_tracing(traced[False], limit):
             return plain
-        # None also where the router took no head: the same step as the model's, not solved again
-        chunked = fitting(True, to_beat=None if plain is None else plain.plan.total_cost)
+        # None also where the router took no head: the same step as the model's, not solved again;
+        # not traced where the model's graph shows no head the router could take (DPT's pixel-wise
+        # loss: ~3 s)
+        routable = False not in traced or bool(routable_log_softmaxes(traced[False]))
+        chunked = fitting(True, to_beat=None if plain is None else plain.plan.total_cost) if routable else None
         if plain is None and chunked is None:
             # neither fits: the smallest budget either head reaches, searched now on the graphs
             # traced above (each head traced once: a trace costs seconds, Funnel's ~5 s each), the

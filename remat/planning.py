@@ -32,7 +32,7 @@ from remat.graph_capture.scaled_workspace import ProbeLimits
 from remat.core.training_graph import TrainingGraph
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.loss_head.router import chunked_loss_mode
-from remat.pipeline import has_chunked_head, head_added, loss_head_of
+from remat.head_choice import has_chunked_head, head_added, loss_head_of
 from remat.solver.checkmate.peak_rows import peak_floor
 from remat.validate import (RematArgumentError, RematArgumentTypeError, budget_in_bytes,
                             check_optimize_args, example_arguments)

@@ -16,7 +16,7 @@ from remat.solver import get_options, get_solver
 from remat.core.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
 from remat.validate import check_solve_args
 
-__all__ = ["solve", "smallest_feasible", "smallest_feasible_of_each", "infeasible_budget", "strategy_options"]
+__all__ = ["solve", "smallest_feasible", "known_smallest_feasible", "smallest_feasible_of_each", "infeasible_budget", "strategy_options"]
 
 
 def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkmate",
@@ -57,6 +57,17 @@ def smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | N
         return min_feasible_budget(graph, **options.lowest_peak_kwargs())
     # baselines: the lowest peak they reach with these options, with no budget they must meet
     return get_solver(solver)(graph, LOWEST_PEAK, **options.as_kwargs()).predicted_peak_bytes
+
+
+def known_smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: float | None = None,
+                            **solver_kwargs) -> int | None:
+    """smallest_feasible where it is already known for `graph` (an equal graph) and these options
+    (checkmate's lowest-peak search is cached), else None: nothing is searched."""
+    if solver != "checkmate":
+        return None
+    from remat.solver.checkmate.lowest_peak import known_min_feasible_budget
+
+    return known_min_feasible_budget(graph, **strategy_options(solver, time_limit_s, solver_kwargs).lowest_peak_kwargs())
 
 
 def smallest_feasible_of_each(graphs: dict, solver: str, time_limit_s: float | None = None,

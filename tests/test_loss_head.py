@@ -26,7 +26,7 @@ from remat.report import extra_cost_frac
 from remat.core.plan import PlanMismatchError
 from remat.loss_head.op import chunk_rows_for, chunked_linear_cross_entropy
 from remat.loss_head.router import route_loss_head
-from remat.pipeline import has_chunked_head
+from remat.head_choice import has_chunked_head
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not a single loss:UserWarning")
 
@@ -451,21 +451,53 @@ class Softcapped(Wide):
         return F.cross_entropy(30 * torch.tanh(self.head(x) / 30), y)
 
 
-def test_a_head_the_router_cannot_take_is_not_solved_twice(monkeypatch):
-    """Under "auto" the chunked head's trace of a model whose cross-entropy the router leaves alone
-    is the model's own step again: it is not solved a second time (DPT's pixel-wise loss: 18 s)."""
+def _heads_traced_and_solved(monkeypatch, model, args, budget):
+    """remat.optimize under `budget`, recording each trace's head (chunked or not) and whether each
+    graph solved has the chunked head."""
     import remat.pipeline as pipeline
 
-    torch.manual_seed(0)
-    model, args = Softcapped(512), (torch.randn(256, 64), torch.randint(0, 512, (256,)))
-    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
     heads, solved = [], []
     real_step, real_get = pipeline.planned_step, pipeline.get_solver
     monkeypatch.setattr(pipeline, "planned_step", lambda *a, chunked=False, **k: heads.append(chunked) or real_step(
         *a, chunked=chunked, **k))
     monkeypatch.setattr(pipeline, "get_solver", lambda name: lambda graph, *a, **k: solved.append(
         has_chunked_head(graph)) or real_get(name)(graph, *a, **k))
-    opt = remat.optimize(model, budget_bytes=int(0.8 * keep), example_inputs=args, quiet=True)
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=args, quiet=True)
+    monkeypatch.undo()
+    return opt, heads, solved
+
+
+def test_a_head_whose_logits_no_linear_computed_is_not_traced_twice(monkeypatch):
+    """Under "auto", a model whose cross-entropy reads logits no linear computed (soft-capped here,
+    as Gemma-2's; DPT's upsampled convolution) has no head the router could take: the chunked head
+    is neither traced nor solved (DPT at half its activation memory: ~3 s of trace)."""
+    torch.manual_seed(0)
+    model, args = Softcapped(512), (torch.randn(256, 64), torch.randint(0, 512, (256,)))
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    opt, heads, solved = _heads_traced_and_solved(monkeypatch, model, args, int(0.8 * keep))
+    assert heads == [False] and solved == [False] and opt.plan.details["loss_head"] == "unchunked"
+    assert opt.plan.extra_cost > 0
+    assert not has_chunked_head(remat.capture(model, args, chunked_loss=True, quiet=True))  # the router takes none
+
+
+class Weighted(Wide):
+    """Wide with class weights in its cross-entropy: a linear's logits, but a loss the router leaves
+    to the model (loss_head/router.py)."""
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(self.head(x), y, weight=torch.linspace(0.5, 1.5, self.head.out_features))
+
+
+def test_a_head_the_router_cannot_take_is_not_solved_twice(monkeypatch):
+    """Under "auto", where the model's graph has a linear's log-softmax but the router takes no head
+    (class weights), the chunked head's trace is the model's own step again: it is not solved a
+    second time."""
+    torch.manual_seed(0)
+    model, args = Weighted(512), (torch.randn(256, 64), torch.randint(0, 512, (256,)))
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    opt, heads, solved = _heads_traced_and_solved(monkeypatch, model, args, int(0.9 * keep))
     assert heads == [False, True] and solved == [False] and opt.plan.details["loss_head"] == "unchunked"
     assert opt.plan.extra_cost > 0
 
@@ -491,8 +523,15 @@ def test_under_both_heads_smallest_budgets_each_head_is_traced_once_and_the_smal
     with pytest.raises(remat.InfeasibleBudgetError) as e:
         remat.optimize(model, budget_bytes=min(floor, want - 1), example_inputs=args, quiet=True)
     assert heads == [False, True] and e.value.min_feasible_bytes == want and f"{want} bytes" in str(e.value)
+    # at that budget the model's head, whose smallest budget is over it, is not solved: only the
+    # chunked head is
+    solved = []
+    real_get = pipeline.get_solver
+    monkeypatch.setattr(pipeline, "get_solver", lambda name: lambda graph, *a, **k: solved.append(
+        has_chunked_head(graph)) or real_get(name)(graph, *a, **k))
+    assert smallest_feasible(plain, "checkmate") > want
     opt = remat.optimize(model, budget_bytes=want, example_inputs=args, quiet=True)
-    assert opt.plan.predicted_peak_bytes <= want
+    assert opt.plan.predicted_peak_bytes <= want and solved == [True] and opt.plan.details["loss_head"] == "chunked"
 
 
 def test_the_heads_smallest_budgets_are_searched_at_once_in_the_callers_context(monkeypatch):
@@ -556,3 +595,39 @@ def test_dh_accumulation_on_cuda_equals_the_upcast_gemm():
     got = _add_dh_block(dh.clone(), dzc, wb)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_budget_under_the_smallest_found_for_the_same_graph_is_refused_without_solving(monkeypatch):
+    """Where a head is tried at a budget (the other head may fit), a budget under the smallest one
+    already found for an equal graph is refused at once: that is the smallest budget solve accepts
+    (the lowest-peak search is cached per graph), so the solve is spared. Before that search ran,
+    the head is solved."""
+    import remat.pipeline as pipeline
+    from remat.solver.checkmate.peak_rows import peak_floor
+    from remat.solving import known_smallest_feasible, smallest_feasible
+
+    torch.manual_seed(0)
+    model, args = Wide(64), (torch.randn(256, 64), torch.randint(0, 64, (256,)))
+    graph = remat.capture(model, args, quiet=True)
+    again = remat.capture(model, args, quiet=True)  # traced again: an equal graph, another object
+    assert again == graph and again is not graph
+    planner = pipeline.StepPlanner(pipeline.PlanOptions(budget_bytes=None, quiet=True))
+    solved = []
+    real_get = pipeline.get_solver
+    monkeypatch.setattr(pipeline, "get_solver", lambda name: lambda g, *a, **k: solved.append(1) or real_get(name)(
+        g, *a, **k))
+    assert known_smallest_feasible(graph, "checkmate") is None
+    first = planner.choose(model, args, {}, known=None, others=[], budget=peak_floor(graph), smallest_on_failure=False)
+    try:  # solved: nothing known yet (whether a plan fits at the floor is the solver's answer)
+        first(graph)
+    except remat.InfeasibleBudgetError:
+        pass
+    assert solved == [1]
+    smallest = smallest_feasible(graph, "checkmate")
+    assert known_smallest_feasible(again, "checkmate") == smallest and peak_floor(graph) < smallest
+    choose = planner.choose(model, args, {}, known=None, others=[], budget=smallest - 1, smallest_on_failure=False)
+    with pytest.raises(remat.InfeasibleBudgetError, match="smallest budget found"):
+        choose(again)
+    assert solved == [1]
+    plan, _ = planner.choose(model, args, {}, known=None, others=[], budget=smallest, smallest_on_failure=False)(again)
+    assert plan.fits and solved == [1, 1]

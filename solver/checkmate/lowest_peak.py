@@ -41,7 +41,7 @@ from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
 
-__all__ = ["min_feasible_budget", "lowest_peak_plan", "cheapest_known_fit", "known_plans", "KnownPlan",
+__all__ = ["min_feasible_budget", "known_min_feasible_budget", "lowest_peak_plan", "cheapest_known_fit", "known_plans", "KnownPlan",
            "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES", "CACHED_PROBLEMS", "ROWS_RELIEF_ROUNDS", "ROWS_RELIEF_STEPS"]
 
 # on graphs up to DESCEND_MAX_NODES nodes the lowest peak is pushed down by the certified search
@@ -277,6 +277,17 @@ def min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto",
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     plan = lowest_peak_plan(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
     return (plan.predicted_peak_bytes, plan) if return_plan else plan.predicted_peak_bytes
+
+
+def known_min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto", max_nodes: int | None = None,
+                              time_limit_s: float | None = None, coarsen_to: int | None = DEFAULT_COARSEN_TO,
+                              threads: int | None = 1, mip_gap: float | None = 1e-4) -> int | None:
+    """min_feasible_budget where it is cached for `graph` (an equal graph) and these options, else
+    None: nothing is searched."""
+    key = (graph, backend, coarsen_to, make_limits(time_limit_s, max_nodes, mip_gap, threads))
+    with _LOWEST_LOCK:
+        hit = _LOWEST.get(key)
+    return None if hit is None else hit[0].predicted_peak_bytes
 
 
 def _descend(graph: TrainingGraph, best: list[str], bound: int, search, steps: int = 4) -> tuple[list[str], int]:
