@@ -16,7 +16,8 @@ between its layers (which the traced step had dropped) and Llama checkpointing i
 RMS-normalised state-space parameters, 64 tokens), then BigBird's block-sparse attention (which
 writes into its attention's output in place), ProphetNet (planned block by block, its blocks
 called with expanded tensors), BLIP (returns one tensor twice) and ViLT (planned block by block,
-returns its logits): small configs (width 64, 2-3 layers,
+returns its logits), then the four slowest solves of the architectures tried with those (DPT's
+dense-prediction head, Zamba2, Pegasus-X, Swin2SR): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -61,6 +62,19 @@ class LSTMLanguageModel(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())}
 
 
+class SuperResolution(torch.nn.Module):
+    """Swin2SR, which has no loss of its own, trained with an L1 loss to a picture twice its input's size."""
+
+    def __init__(self, tf):
+        super().__init__()
+        self.m = tf.Swin2SRForImageSuperResolution(tf.Swin2SRConfig(
+            image_size=32, patch_size=1, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=8,
+            upscale=2, upsampler="pixelshuffle", num_channels=3))
+
+    def forward(self, pixel_values, target):
+        return {"loss": torch.nn.functional.l1_loss(self.m(pixel_values=pixel_values).reconstruction, target)}
+
+
 class GRUTagger(torch.nn.Module):
     """One bidirectional GRU layer and a per-token head: over 64 steps, 4,119 nodes (the rows'
     search had sat in one MILP's root LP for over 20 minutes)."""
@@ -92,6 +106,7 @@ def _models() -> dict:
     audio = torch.randn(B, 16, 64, generator=g)
     speech = torch.randn(B, 4000, generator=g)
     video = torch.randn(B, 4, 3, 32, 32, generator=g)
+    seg = torch.randint(0, 5, (B, 32, 32), generator=g)
 
     def llama_checkpointed():  # checkpointing its own layers, as gradient_checkpointing_enable() does
         m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2))
@@ -187,6 +202,27 @@ def _models() -> dict:
         "falcon_mamba": lambda: (tf.FalconMambaForCausalLM(tf.FalconMambaConfig(vocab_size=V, hidden_size=W, state_size=8,
                                                                                 num_hidden_layers=2, pad_token_id=0)),
                                  dict(input_ids=ids, labels=ids, use_cache=False)),
+        # the slowest solves of the 37 architectures tried on 2026-12-06: a dense-prediction head
+        # (a per-pixel cross-entropy no linear computes), a Mamba-2/attention hybrid, staggered
+        # block-local attention with global tokens, and windowed attention upsampled by pixel shuffle
+        "dpt": lambda: (tf.DPTForSemanticSegmentation(tf.DPTConfig(
+            hidden_size=W, num_hidden_layers=4, num_attention_heads=4, intermediate_size=2 * W, image_size=32,
+            patch_size=8, backbone_out_indices=[0, 1, 2, 3], neck_hidden_sizes=[16, 32, 64, 64],
+            reassemble_factors=[4, 2, 1, 0.5], fusion_hidden_size=32, head_hidden_size=16, num_labels=5,
+            semantic_loss_ignore_index=255)), dict(pixel_values=pics["pixel_values"], labels=seg)),
+        "zamba2": lambda: (tf.Zamba2ForCausalLM(tf.Zamba2Config(
+            vocab_size=V, hidden_size=W, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
+            num_attention_heads=4, num_key_value_heads=4, attention_head_dim=32, mamba_d_state=16, mamba_d_conv=4,
+            mamba_expand=2, mamba_ngroups=1, mamba_headdim=32, n_mamba_heads=4, chunk_size=16,
+            intermediate_size=2 * W, max_position_embeddings=S, use_mem_rope=True, num_mem_blocks=1,
+            pad_token_id=0)), dict(input_ids=ids, labels=ids, use_cache=False)),
+        "pegasus_x": lambda: (tf.PegasusXForConditionalGeneration(tf.PegasusXConfig(
+            vocab_size=V, d_model=W, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=2 * W, decoder_ffn_dim=2 * W, max_position_embeddings=S,
+            num_global_tokens=8, block_size=16, stagger_local_blocks=True, pad_token_id=0,
+            decoder_start_token_id=0)), s2s),
+        "swin2sr": lambda: (SuperResolution(tf), dict(pixel_values=torch.randn(B, 3, 16, 16, generator=g),
+                                                      target=torch.randn(B, 3, 32, 32, generator=g))),
     }
 
 
@@ -197,7 +233,7 @@ BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
           "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet",
-          "blip", "vilt")
+          "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr")
 
 
 def _loss(out):

@@ -45,7 +45,10 @@ cost plus its recomputations) is kept. Where the model's head has a plan that fi
 head's graph is solved only if the rows' bound (solver/checkmate/peak_rows.py) leaves it room to
 cost less in all; otherwise it is dropped after that bound (HF Mamba and Funnel of
 benchmarks/unseen_models.py at half their activation memory: the chunked head's bound is over what
-it could cost and win; remat.optimize 25 -> 16 s and 23 -> 17 s, the same plans). A later call
+it could cost and win; remat.optimize 25 -> 16 s and 23 -> 17 s, the same plans). Under a budget
+below the smallest one already found for a head's graph (an equal graph: the model traced again at
+the budget an InfeasibleBudgetError named, which the other head reached), that head is not solved
+again. A later call
 traces the head the last call's plan took first; where that call's schedule serves (3. above), the
 other head is not traced. The plan records its head (`details["loss_head"]`, and its context), and a
 saved plan is deployed on the head it was made for (deployment.py refuses one whose head
