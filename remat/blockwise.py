@@ -11,8 +11,11 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
    runs as it is; if no block can, the TraceError of the whole step is raised as it was.
 2. **Their calls**: one forward of the model records each block's arguments as training passes
    them (which tensors require grad, keyword arguments included); the blocks themselves run under
-   no_grad there, their outputs marked as requiring grad as they would. Random state, buffers and
-   gradients are restored after it.
+   no_grad there, their outputs copied as requiring grad as they would. Random state, buffers and
+   gradients are restored after it. Where that forward skipped blocks (LayerDrop,
+   `if torch.rand([]) < p: continue`, or a path the data chose), more forwards, drawing on from the
+   random state, record them while each finds one not called before (RECORD_FORWARDS in all); a
+   block none called is planned for the call of the nearest block of the same structure.
 3. **Plans at levels**: every distinct block graph is planned at `levels` budgets, from its
    smallest feasible one (level 0: least memory) to keep_all's peak (no recomputation).
 4. **How the blocks' budgets are set**: every block gets its level-0 plan and one calibration step
@@ -24,7 +27,13 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
    while it runs (both from the simulator), so the step peaks at most at
    `M0 + sum_i dS_i + max_i dP_i`. The blocks then run their level-j plans and a second step
    measures the peak again; if it exceeds the budget the level is lowered until one fits.
-   InfeasibleBudgetError when even level 0 does not fit (its `min_feasible_bytes`: M0).
+   Where that step skipped planned blocks (LayerDrop), it is measured again from the random state
+   one draw further, up to CALIBRATION_DRAWS times, and the draw that ran the most of them is kept
+   (the levels below are checked from the same state). The planned blocks it still did not run add, at every level, what each holds until
+   its backward at level 0 (less its parameters and input) and once the most one adds above that
+   while it runs to M0: a later step may run them (LayerDrop draws anew each step; without that a step dropping fewer layers than the
+   calibration's went over the budget: Hugging Face's TimeSeriesTransformer by 15%).
+   InfeasibleBudgetError when even level 0 does not fit (its `min_feasible_bytes`: that bound).
 5. Calls of other shapes are planned block by block (each block's RematModule plans new calls
    under its level's budget); the whole step's budget is measured for the example inputs only.
 
@@ -38,12 +47,14 @@ import contextvars
 import dataclasses
 import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from remat.block_calls import Redirected, block_structure, cuda_device, record_block_calls
 from remat.core.errors import RematWarning
 from remat.compat.torch_private import pytree
 from remat.graph_capture.joint import TraceError
@@ -56,9 +67,10 @@ from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import smallest_feasible, solve
 
 __all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "level_plans",
-           "plan_blockwise", "DEFAULT_LEVELS"]
+           "plan_blockwise", "DEFAULT_LEVELS", "CALIBRATION_DRAWS"]
 
 DEFAULT_LEVELS = 4  # budgets per distinct block graph, from its lowest peak to keep_all's
+CALIBRATION_DRAWS = 4  # random states the calibration step is measured from, at most (4.)
 MIB = 2 ** 20
 
 
@@ -82,10 +94,7 @@ class BlockwiseFit:
     blocks: list[str] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list, repr=False)
     eager_blocks: list[str] = field(default_factory=list)  # blocks that could not be traced either
-
-
-def _structure(m: nn.Module) -> tuple:
-    return (type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()))
+    skipped_blocks: list[str] = field(default_factory=list)  # planned blocks the calibration step did not run
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -98,7 +107,7 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if any(name == t or name.startswith(t + ".") for t in taken):
             continue  # inside a block already found: only the outermost containers count
         numbered = [(c, child) for c, child in m.named_children() if c.isdigit()]
-        shapes = [_structure(child) for _, child in numbered]
+        shapes = [block_structure(child) for _, child in numbered]
         if len(numbered) >= 2 and len(set(shapes)) < len(shapes):
             for c, child in numbered:
                 full = f"{name}.{c}" if name else c
@@ -119,36 +128,19 @@ def level_plans(graph: TrainingGraph, levels: int, solver: str, time_limit_s: fl
 _in_block = contextvars.ContextVar("remat_in_block", default=False)
 
 
-class _Redirected:
-    """Context manager: while entered, block i's `forward` is `forwards[i]` (made from the block's
-    own forward); each block's own is restored after."""
-
-    def __init__(self, blocks: Sequence[nn.Module], make):
-        self.blocks, self.make = blocks, make
-
-    def __enter__(self):
-        self.saved = [b.__dict__.get("forward") for b in self.blocks]
-        for i, (b, own) in enumerate(zip(self.blocks, self.saved)):
-            b.__dict__["forward"] = self.make(i, own or type(b).forward.__get__(b))
-        return self
-
-    def __exit__(self, *exc):
-        for b, own in zip(self.blocks, self.saved):
-            if own is None:
-                b.__dict__.pop("forward", None)
-            else:
-                b.__dict__["forward"] = own
-        return False
-
-
-def _to_planned(planned: nn.Module | None, own):
-    """A block's forward that runs its RematModule `planned`, except for calls from inside that
-    module (tracing the block, or running it under no_grad), which get the block's own forward."""
-    if planned is None:
+def _to_planned(planned: nn.Module | None, own, ran: list[int] | None = None, i: int = 0):
+    """A block's forward that runs its RematModule `planned` (its own forward where None), except for
+    calls from inside that module (tracing the block, or running it under no_grad), which get the
+    block's own forward; each call from the model counted in `ran[i]` where `ran` is given."""
+    if planned is None and ran is None:
         return own
 
     def forward(*args, **kwargs):
         if _in_block.get():
+            return own(*args, **kwargs)
+        if ran is not None:
+            ran[i] += 1
+        if planned is None:
             return own(*args, **kwargs)
         token = _in_block.set(True)
         try:
@@ -156,54 +148,6 @@ def _to_planned(planned: nn.Module | None, own):
         finally:
             _in_block.reset(token)
     return forward
-
-
-def _detached(x: Any) -> Any:
-    """A copy of a block's argument as training passes it: tensors detached and copied with their
-    strides (a non-contiguous slice stays laid out as the calls will pass it: strides are part of a
-    call's key; an expanded tensor, stride 0 along a dimension, is copied as one slice along it,
-    expanded again), requiring grad where the original does."""
-    def copy(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        src, expanded = t.detach(), False
-        for d, (n, st) in enumerate(zip(t.shape, t.stride())):
-            if st == 0 and n > 1:  # ProphetNet's relative positions: (0, 0, 32, 1)
-                src, expanded = src.narrow(d, 0, 1), True
-        c = torch.empty_strided(src.shape, src.stride(), dtype=t.dtype, device=t.device).copy_(src)
-        if expanded:
-            c = c.expand(t.shape)
-        return c.requires_grad_(t.requires_grad) if c.is_floating_point() or c.is_complex() else c
-    return pytree.tree_map(copy, x)
-
-
-def _record_block_calls(model: nn.Module, blocks: Sequence[nn.Module], args: tuple,
-                        kwargs: dict) -> list[tuple[tuple, dict] | None]:
-    """Each block's first (args, kwargs) in one forward of `model` with grad enabled, the blocks run
-    under no_grad (their floating outputs then marked as requiring grad, as in training); RNG
-    state, buffers and gradients are left as they were."""
-    from remat.compiled_fit import untouched
-
-    seen: list[tuple[tuple, dict] | None] = [None] * len(blocks)
-
-    def recorder(i: int, own):
-        def record(*a, **k):
-            if seen[i] is None:
-                seen[i] = (_detached(a), _detached(k))
-            with torch.no_grad():
-                out = own(*a, **k)
-            return pytree.tree_map(lambda t: t.requires_grad_() if isinstance(t, torch.Tensor) and
-                                   t.is_floating_point() else t, out)
-        return record
-
-    with untouched(model, _cuda_device(model, args, kwargs)), _Redirected(blocks, recorder):
-        model(*args, **kwargs)
-    return seen
-
-
-def _cuda_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
-    tensors = [*model.parameters(), *pytree.tree_leaves((args, kwargs))]
-    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -235,7 +179,8 @@ class BlockwiseModule(ModelWrapper):
     def _dispatch(self, args: tuple, kwargs: dict):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
-        with _Redirected(self._blocks, lambda i, own: _to_planned(self.blocks[i], own)):
+        ran = self.__dict__.get("_ran")  # counted while plan_blockwise measures a step
+        with Redirected(self._blocks, lambda i, own: _to_planned(self.blocks[i], own, ran, i)):
             return self.module(*args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -244,19 +189,64 @@ class BlockwiseModule(ModelWrapper):
                 f"measured peak={f.measured_bytes / MIB:.2f} MiB of {f.budget_bytes / MIB:.2f} MiB")
 
 
-def _measure(module: nn.Module, model: nn.Module, args: tuple, kwargs: dict) -> int:
+def _measure(module: BlockwiseModule, model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, list[int]]:
+    """The peak of one step of `module` on the example inputs (the model left as it was), and how
+    many times the model called each block in it."""
     from remat.compiled_fit import untouched
     from remat.measure import measure_peak
 
-    device = _cuda_device(model, args, kwargs)
+    device = cuda_device(model, args, kwargs)
     resident = [model, *[t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
 
     def step():  # the outputs held through the backward, as a training loop holds them and the plans count them
         out = module(*args, **kwargs)
         _loss(out).backward()
 
-    with untouched(model, device):
-        return measure_peak(step, resident=resident, device=device)
+    ran = module.__dict__["_ran"] = [0] * len(module._blocks)
+    try:
+        with untouched(model, device):
+            return measure_peak(step, resident=resident, device=device), ran
+    finally:
+        del module.__dict__["_ran"]
+
+
+@contextmanager
+def _calibration_draw(module: BlockwiseModule, model: nn.Module, args: tuple, kwargs: dict, planned: list[bool]):
+    """Measure the step (`_measure`) from the random state, and where it skipped planned blocks
+    (LayerDrop), from up to CALIBRATION_DRAWS - 1 states after it, one draw further each: yields the
+    (peak, calls per block) of the draw that ran the most planned blocks (the first of those), with
+    the random state set to the one it started from; the caller's state is restored after."""
+    device = cuda_device(model, args, kwargs)
+    cuda = [device] if device is not None else []
+    with torch.random.fork_rng(devices=cuda):
+        best = None
+        for _ in range(CALIBRATION_DRAWS):
+            state = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda])
+            peak, ran = _measure(module, model, args, kwargs)
+            missed = sum(1 for r, p in zip(ran, planned) if p and r == 0)
+            if best is None or missed < best[0]:
+                best = (missed, peak, ran, state)
+            if missed == 0:
+                break
+            torch.rand(())  # the next draw
+            for d in cuda:
+                torch.rand((), device=d)
+        torch.set_rng_state(best[3][0])
+        for d, st in zip(cuda, best[3][1]):
+            torch.cuda.set_rng_state(st, d)
+        yield best[1], best[2]
+
+
+def _absent_bytes(absent: Sequence[tuple[BlockProfile, int, int]]) -> int:
+    """What the planned blocks the calibration step did not run add to that step's peak, at most, in
+    a step that runs them at level 0 (`absent`: each one's level-0 profile, its graph's resident
+    bytes, the parameters and input the step holds anyway, and its kept bytes, the gradients it
+    leaves after its backward): what each holds until its backward or leaves after it, and once,
+    the most any of them adds above that while it runs."""
+    if not absent:
+        return 0
+    return (sum(max(0, p.saved_bytes - resident, kept) for p, resident, kept in absent)
+            + max(max(0, p.peak_bytes - max(p.saved_bytes, resident)) for p, resident, _ in absent))
 
 
 def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, error: TraceError, *,
@@ -272,7 +262,7 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
     names = [n for n, _ in found]
     blocks = [b for _, b in found]
     try:
-        calls = _record_block_calls(model, blocks, args, kwargs)
+        calls = record_block_calls(model, blocks, args, kwargs)
     except Exception:  # the model cannot run these inputs eagerly either: the trace's error says why
         calls = None
     if calls is None:
@@ -312,31 +302,45 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
                        measured_bytes=0, blocks=[n for n, ps in zip(names, per_block) if ps is not None],
                        eager_blocks=[n for n, ps in zip(names, per_block) if ps is None])
     module = BlockwiseModule(model, names, blocks, planned, fit)
-    fit.calibrated_bytes = fit.measured_bytes = _measure(module, model, args, kwargs)
-    if fit.calibrated_bytes > budget_bytes:
-        raise InfeasibleBudgetError(
-            f"{type(model).__name__}'s step cannot be traced whole, and with its {len(fit.blocks)} repeated blocks at "
-            f"their lowest-memory plans (the rest as it is) it peaks at {fit.calibrated_bytes / MIB:.2f} MiB, over "
-            f"the budget of {budget_bytes / MIB:.2f} MiB", min_feasible_bytes=fit.calibrated_bytes)
-    profiles: list[list[BlockProfile]] = [[block_profile(g, p) for p in ps] for g, ps in zip(graphs, per_block)
-                                          if ps is not None]
-    level, fit.bound_bytes = fit_block_level(fit.calibrated_bytes, 0, budget_bytes, profiles)
-    for tried in range(level, 0, -1):  # the bound says it fits; measure that it does
-        module.__dict__["blocks"] = deploy(tried)
-        fit.measured_bytes = _measure(module, model, args, kwargs)
-        if fit.measured_bytes <= budget_bytes:
-            fit.level = tried
-            break
-    else:
-        module.__dict__["blocks"] = planned
-        fit.measured_bytes = fit.calibrated_bytes
+    # the step measured from the random state where it runs the most planned blocks (LayerDrop), and
+    # every level checked below from that same state
+    with _calibration_draw(module, model, args, kwargs, [ps is not None for ps in per_block]) as (peak, ran):
+        fit.calibrated_bytes = fit.measured_bytes = peak
+        profiles: list[list[BlockProfile]] = [[block_profile(g, p) for p in ps] for g, ps in zip(graphs, per_block)
+                                              if ps is not None]
+        # planned blocks the calibration step did not run (LayerDrop, or the data's path): a later step
+        # may run them, so the bound of every level counts each as it would be at level 0, on top of the
+        # step measured; with every block run the step is that bound at most
+        planned_graphs = [(g, r) for g, r, ps in zip(graphs, ran, per_block) if ps is not None]
+        absent = [(p[0], g.resident_bytes, sum(n.kept_bytes for n in g.nodes))
+                  for p, (g, r) in zip(profiles, planned_graphs) if r == 0]
+        fit.skipped_blocks = [n for n, r, ps in zip(names, ran, per_block) if r == 0 and ps is not None]
+        calibrated = fit.calibrated_bytes + _absent_bytes(absent)
+        if calibrated > budget_bytes:
+            skipped = (f" (and {len(absent)} blocks the calibration step did not run, counted as a later step may "
+                       f"run them)" if absent else "")
+            raise InfeasibleBudgetError(
+                f"{type(model).__name__}'s step cannot be traced whole, and with its {len(fit.blocks)} repeated blocks at "
+                f"their lowest-memory plans (the rest as it is) it peaks at {calibrated / MIB:.2f} MiB{skipped}, over "
+                f"the budget of {budget_bytes / MIB:.2f} MiB", min_feasible_bytes=calibrated)
+        level, fit.bound_bytes = fit_block_level(calibrated, 0, budget_bytes, profiles)
+        for tried in range(level, 0, -1):  # the bound says it fits; measure that it does
+            module.__dict__["blocks"] = deploy(tried)
+            fit.measured_bytes, _ = _measure(module, model, args, kwargs)
+            if fit.measured_bytes <= budget_bytes:
+                fit.level = tried
+                break
+        else:
+            module.__dict__["blocks"] = planned
+            fit.measured_bytes = fit.calibrated_bytes
     fit.plans = [b.plan for b in module.blocks if b is not None]
     cause = str(error).splitlines()
     warnings.warn(BlockwisePlanWarning(
         f"{type(model).__name__}'s training step cannot be traced whole ({cause[0].split(': ', 1)[-1]}"
         f"{'; ' + cause[1].strip() if len(cause) > 1 else ''}): remat planned its {len(fit.blocks)} repeated "
         f"blocks ({_names(fit.blocks)}) one by one at level {fit.level} of {levels - 1} and runs the rest as it "
-        f"is{'; not traceable either, run as they are: ' + _names(fit.eager_blocks) if fit.eager_blocks else ''}. "
+        f"is{'; not traceable either, run as they are: ' + _names(fit.eager_blocks) if fit.eager_blocks else ''}"
+        f"{'; not run by the calibration step (counted in the bound, as a later step may run them): ' + _names(fit.skipped_blocks) if fit.skipped_blocks else ''}. "
         f"Measured peak of the step on the example inputs: {fit.measured_bytes / MIB:.2f} MiB, budget "
         f"{budget_bytes / MIB:.2f} MiB (README: when a step does not trace whole)"), stacklevel=3)
     return module
