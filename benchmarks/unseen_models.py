@@ -17,7 +17,8 @@ RMS-normalised state-space parameters, 64 tokens), then BigBird's block-sparse a
 writes into its attention's output in place), ProphetNet (planned block by block, its blocks
 called with expanded tensors), BLIP (returns one tensor twice) and ViLT (planned block by block,
 returns its logits), then the four slowest solves of the architectures tried with those (DPT's
-dense-prediction head, Zamba2, Pegasus-X, Swin2SR): small configs (width 64, 2-3 layers,
+dense-prediction head, Zamba2, Pegasus-X, Swin2SR), then TimeSeriesTransformer and FlauBERT (LayerDrop,
+planned block by block; FlauBERT also writes into its blocks' outputs in place): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -223,6 +224,20 @@ def _models() -> dict:
             decoder_start_token_id=0)), s2s),
         "swin2sr": lambda: (SuperResolution(tf), dict(pixel_values=torch.randn(B, 3, 16, 16, generator=g),
                                                       target=torch.randn(B, 3, 32, 32, generator=g))),
+        # planned block by block (LayerDrop, `torch.rand([]) < p`, and an `.item()` in its output
+        # distribution's checks): a step that drops fewer layers than the calibration's went over the budget
+        "time_series_transformer": lambda: (tf.TimeSeriesTransformerForPrediction(tf.TimeSeriesTransformerConfig(
+            prediction_length=16, context_length=48, input_size=3, lags_sequence=[1, 2, 3, 4, 8, 16],
+            num_time_features=2, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)), dict(
+            past_values=torch.randn(B, 64, 3, generator=g), past_time_features=torch.randn(B, 64, 2, generator=g),
+            past_observed_mask=torch.ones(B, 64, 3), future_values=torch.randn(B, 16, 3, generator=g),
+            future_time_features=torch.randn(B, 16, 2, generator=g), use_cache=False)),
+        # planned block by block (LayerDrop, an `.item()`), and writes into its blocks' outputs in place
+        "flaubert": lambda: (tf.FlaubertWithLMHeadModel(tf.FlaubertConfig(
+            vocab_size=V, emb_dim=W, n_layers=3, n_heads=4, max_position_embeddings=S, layerdrop=0.3,
+            pre_norm=False, dropout=0.1, attention_dropout=0.1)),
+            dict(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)),
     }
 
 
@@ -233,7 +248,7 @@ BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
           "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet",
-          "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr")
+          "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert")
 
 
 def _loss(out):
