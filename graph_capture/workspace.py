@@ -393,10 +393,25 @@ def _refuse_views_of_other_layouts(failed: list[fx.Node], layouts: dict) -> None
         source, lay = n.args[0], layouts.get(n.args[0])
         v = source.meta.get("val")
         if isinstance(lay, Layout) and isinstance(v, torch.Tensor) and lay.stride != tuple(v.stride()):
-            where = n.meta.get("remat_module_path") or source.meta.get("remat_module_path")
+            # the op whose kernels disagree: the first one before the view that is not a view itself
+            # (a transpose only passes its input's layout on; PatchTST's BatchNorm before it decides it)
+            maker = source
+            while _is_view(maker.target) and maker.args and isinstance(maker.args[0], fx.Node):
+                maker = maker.args[0]
+            where = maker.meta.get("remat_module_path")
+            via = f", through {source.name} ({source.target})" if maker is not source else ""
             raise TraceError(
-                f"{source.name} ({source.target}{f', in {where}' if where else ''}) is laid out with strides "
-                f"{lay.stride} by the real kernel, {tuple(v.stride())} by the fake one the trace ran, and the view "
-                f"{n.name} the trace took of it cannot run on the real layout: the planned step would fail at its "
-                f"first call (a mismatch of PyTorch's fake kernel; torch.compile fails the same way). Make that "
-                f"tensor contiguous in the model (`.contiguous()` after it) or take it with `.reshape`.")
+                f"{maker.name} ({maker.target}{f', in {where}' if where else ''}) is laid out with other strides by "
+                f"the real kernel than by the fake one the trace ran{via}: {lay.stride} against {tuple(v.stride())} "
+                f"where the view {n.name} takes it, which cannot run on the real layout: the planned step would fail "
+                f"at its first call (a mismatch of PyTorch's fake kernel; torch.compile's aot_eager backend fails the "
+                f"same way). Make that tensor contiguous in the model (`.contiguous()` after it) or take it with "
+                f"`.reshape`.")
+
+
+def _is_view(target) -> bool:
+    """Whether an fx node's target is an ATen op returning a view of its input."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and not alias.is_write

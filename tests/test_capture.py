@@ -312,8 +312,11 @@ class NormOnTransposed(nn.Module):
 def test_a_view_the_real_layout_cannot_take_is_refused_when_traced():
     # optimize succeeded, then the module raised "view size is not compatible" at its first call
     torch.manual_seed(0)
-    with pytest.raises(remat.TraceError, match="real kernel.*contiguous"):
+    with pytest.raises(remat.TraceError, match="real kernel.*contiguous") as e:
         remat.optimize(NormOnTransposed(), example_inputs=(torch.randn(24, 4, 16),), solver="keep_all", quiet=True)
+    # it names the BatchNorm whose kernels disagree and its module, not the transpose after it (which
+    # only passes the layout on) nor the linear whose view failed
+    assert "batch_norm" in str(e.value).split(" is laid out")[0] and "in bn)" in str(e.value)
 
 
 class _RunsItsLayer(torch.autograd.Function):
