@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from remat.core import progress
 from remat.core.training_graph import TrainingGraph
@@ -16,7 +18,7 @@ from remat.solver import get_options, get_solver
 from remat.core.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
 from remat.validate import check_solve_args
 
-__all__ = ["solve", "smallest_feasible", "known_smallest_feasible", "smallest_feasible_of_each", "infeasible_budget", "strategy_options"]
+__all__ = ["solve", "smallest_feasible", "known_smallest_feasible", "smallest_feasible_of_each", "at_once", "infeasible_budget", "strategy_options"]
 
 
 def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkmate",
@@ -72,24 +74,29 @@ def known_smallest_feasible(graph: TrainingGraph, solver: str, time_limit_s: flo
 
 def smallest_feasible_of_each(graphs: dict, solver: str, time_limit_s: float | None = None,
                               **solver_kwargs) -> dict:
-    """smallest_feasible of each graph ({key: graph} -> {key: bytes}), the graphs searched at once,
-    a thread each, in the caller's context (progress silenced or not). HiGHS lets go of the GIL
-    while it solves, and checkmate's lowest-peak search is mostly LPs: the two loss heads of Funnel
-    (772 nodes) on this 2-core machine, 51 s one after the other, 40 s at once. Each search is the
-    one it would be alone (its work limits count simplex iterations, not seconds). Only with
-    HiGHS's one thread per solve (checkmate's default, `threads=1`): a MILP asking for another
-    count than its thread's HiGHS scheduler has resets HiGHS's global scheduler (backends.py),
-    which is not safe while another thread solves."""
-    if len(graphs) < 2 or solver_kwargs.get("threads", 1) != 1:
-        return {k: smallest_feasible(g, solver, time_limit_s, **solver_kwargs) for k, g in graphs.items()}
-    pool = ThreadPoolExecutor(len(graphs), thread_name_prefix="remat-smallest")
+    """smallest_feasible of each graph ({key: graph} -> {key: bytes}), the graphs searched at once
+    (`at_once`): the two loss heads of Funnel (772 nodes) on this 2-core machine, 51 s one after the
+    other, 40 s at once. Each search is the one it would be alone (its work limits count simplex
+    iterations, not seconds)."""
+    return at_once({k: (lambda g=g: smallest_feasible(g, solver, time_limit_s, **solver_kwargs))
+                    for k, g in graphs.items()}, solver_kwargs)
+
+
+def at_once(calls: dict[Any, Callable[[], Any]], solver_kwargs: dict, workers: int = 2) -> dict:
+    """{key: call()} for solver calls, run in `workers` threads, each in the caller's context
+    (progress silenced or not). HiGHS lets go of the GIL while it solves, and checkmate's searches
+    are mostly LPs. Only with HiGHS's one thread per solve (checkmate's default, `threads=1`): a MILP
+    asking for another count than its thread's HiGHS scheduler has resets HiGHS's global scheduler
+    (backends.py), which is not safe while another thread solves; otherwise one after the other."""
+    if len(calls) < 2 or solver_kwargs.get("threads", 1) != 1:
+        return {k: call() for k, call in calls.items()}
+    pool = ThreadPoolExecutor(min(workers, len(calls)), thread_name_prefix="remat-solve")
     try:
-        futures = {k: pool.submit(contextvars.copy_context().run, smallest_feasible, g, solver, time_limit_s,
-                                  **solver_kwargs) for k, g in graphs.items()}
+        futures = {k: pool.submit(contextvars.copy_context().run, call) for k, call in calls.items()}
         return {k: f.result() for k, f in futures.items()}
     finally:
         # not waited for: an interrupt (Ctrl+C) or a search's error returns at once, the other
-        # search finishing in its thread, unread (HiGHS cannot be stopped inside an LP)
+        # searches finishing in their threads, unread (HiGHS cannot be stopped inside an LP)
         pool.shutdown(wait=False, cancel_futures=True)
 
 
