@@ -30,9 +30,10 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
    measures the peak again; if it exceeds the budget the level is lowered until one fits.
    Where that step skipped planned blocks (LayerDrop), it is measured again from the random state
    one draw further, up to CALIBRATION_DRAWS times, and the draw that ran the most of them is kept
-   (the levels below are checked from the same state). The planned blocks it still did not run add, at every level, what each holds until
-   its backward at level 0 (less its parameters and input) and once the most one adds above that
-   while it runs to M0: a later step may run them (LayerDrop draws anew each step; without that a step dropping fewer layers than the
+   (the levels are checked from the same state). The planned blocks it still did not run add to M0,
+   at every level, what each holds until its backward at level 0 or leaves after it (less its
+   parameters and input) and, once, the most one adds above that while it runs: a later step may
+   run them (LayerDrop draws anew each step; without that, a step dropping fewer layers than the
    calibration's went over the budget: Hugging Face's TimeSeriesTransformer by 15%).
    InfeasibleBudgetError when even level 0 does not fit (its `min_feasible_bytes`: that bound).
 5. Calls of other shapes are planned block by block (each block's RematModule plans new calls
@@ -326,8 +327,9 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
             skipped = (f" (and {len(absent)} blocks the calibration step did not run, counted as a later step may "
                        f"run them)" if absent else "")
             raise InfeasibleBudgetError(
-                f"{type(model).__name__}'s step cannot be traced whole, and with its {len(fit.blocks)} repeated blocks at "
-                f"their lowest-memory plans (the rest as it is) it peaks at {calibrated / MIB:.2f} MiB{skipped}, over "
+                f"{type(model).__name__}'s step cannot be traced whole, and with its {len(fit.blocks)} repeated "
+                f"blocks at their lowest-memory plans (the rest as it is) it peaks at {calibrated / MIB:.2f} "
+                f"MiB{skipped}, over "
                 f"the budget of {budget_bytes / MIB:.2f} MiB", min_feasible_bytes=calibrated)
         level, fit.bound_bytes = fit_block_level(calibrated, 0, budget_bytes, profiles)
         for tried in range(level, 0, -1):  # the bound says it fits; measure that it does
@@ -341,12 +343,14 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
             fit.measured_bytes = fit.calibrated_bytes
     fit.plans = [b.plan for b in module.blocks if b is not None]
     cause = str(error).splitlines()
+    skipped = ("; not run by the calibration step (counted in the bound, as a later step may run them): "
+               + _names(fit.skipped_blocks)) if fit.skipped_blocks else ""
     warnings.warn(BlockwisePlanWarning(
         f"{type(model).__name__}'s training step cannot be traced whole ({cause[0].split(': ', 1)[-1]}"
         f"{'; ' + cause[1].strip() if len(cause) > 1 else ''}): remat planned its {len(fit.blocks)} repeated "
         f"blocks ({_names(fit.blocks)}) one by one at level {fit.level} of {levels - 1} and runs the rest as it "
         f"is{'; not traceable either, run as they are: ' + _names(fit.eager_blocks) if fit.eager_blocks else ''}"
-        f"{'; not run by the calibration step (counted in the bound, as a later step may run them): ' + _names(fit.skipped_blocks) if fit.skipped_blocks else ''}. "
+        f"{skipped}. "
         f"Measured peak of the step on the example inputs: {fit.measured_bytes / MIB:.2f} MiB, budget "
         f"{budget_bytes / MIB:.2f} MiB (README: when a step does not trace whole)"), stacklevel=3)
     return module

@@ -40,8 +40,8 @@ the step is planned with the model's own head first; where that plan recomputes 
 log-softmax computed from a linear (the only head the router can take) of at least HEAD_SHARE (1%)
 of the budget (nothing a chunked head could save is worth a second trace); otherwise (a plan that
 recomputes, or no plan that fits) the step is traced again with the chunked head, where its graph
-has such a log-softmax at all, and planned too, and the plan that fits with the lower total cost (the graph's
-cost plus its recomputations) is kept. Where the model's head has a plan that fits, the chunked
+has such a log-softmax at all, and planned too, and the plan that fits with the lower total cost
+(the graph's cost plus its recomputations) is kept. Where the model's head has a plan that fits, the chunked
 head's graph is solved only if the rows' bound (solver/checkmate/peak_rows.py) leaves it room to
 cost less in all; otherwise it is dropped after that bound (HF Mamba and Funnel of
 benchmarks/unseen_models.py at half their activation memory: the chunked head's bound is over what

@@ -18,7 +18,8 @@ from remat.solver import get_options, get_solver
 from remat.core.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
 from remat.validate import check_solve_args
 
-__all__ = ["solve", "smallest_feasible", "known_smallest_feasible", "smallest_feasible_of_each", "at_once", "infeasible_budget", "strategy_options"]
+__all__ = ["solve", "smallest_feasible", "known_smallest_feasible", "smallest_feasible_of_each", "at_once",
+           "infeasible_budget", "strategy_options"]
 
 
 def solve(graph: TrainingGraph, budget_bytes: int | None, solver: str = "checkmate",
