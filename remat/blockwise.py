@@ -8,7 +8,8 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
 1. **Blocks**: the model's repeated blocks (`repeated_blocks`: the numbered children of the
    outermost containers that hold at least two children of the same structure, e.g. a ModuleList
    of transformer layers; the units per_block checkpoints). If a block cannot be traced either it
-   runs as it is; if no block can, the TraceError of the whole step is raised as it was.
+   runs as it is; if no block can, the TraceError of the whole step is raised as it was, with a note
+   saying why the blocks could not be planned either.
 2. **Their calls**: one forward of the model records each block's arguments as training passes
    them (which tensors require grad, keyword arguments included); the blocks themselves run under
    no_grad there, their outputs copied as requiring grad as they would. Random state, buffers and
@@ -266,13 +267,17 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
         raise error
     names = [n for n, _ in found]
     blocks = [b for _, b in found]
+    # where no block can be planned the whole step's TraceError is raised, with a note saying why the
+    # blocks could not be planned either (the traceback shows it; str(error) stays the step's)
+    tried = f"remat tried to plan its {len(blocks)} repeated blocks ({_names(names)}) one by one"
     try:
         calls = record_block_calls(model, blocks, args, kwargs)
-    except Exception:  # the model cannot run these inputs eagerly either: the trace's error says why
-        calls = None
-    if calls is None:
-        raise error
+    except Exception as e:  # the model cannot run these inputs eagerly either: the trace's error says why
+        error.add_note(f"{tried}: running the model to record their calls raised {type(e).__name__}: "
+                       f"{' '.join(str(e).split())[:300]}")
+        raise error from None
     graphs: list[TrainingGraph | None] = []
+    reasons: list[str] = []
     for b, call in zip(blocks, calls):
         if call is None:
             graphs.append(None)  # not called by this forward
@@ -281,9 +286,12 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", OutsideBudgetWarning)
                 graphs.append(trace_graph(b, call[0], call[1], options.fused_attention, options.cost_model, quiet=True))
-        except TraceError:
+        except TraceError as e:
             graphs.append(None)  # this block cannot be traced either: it runs as it is
+            reasons.append(' '.join(str(e).split())[:300])
     if all(g is None for g in graphs):
+        error.add_note(f"{tried}: " + (f"none could be traced either ({reasons[0]})" if reasons
+                                       else "the model's forward called none of them"))
         raise error
     distinct = list(dict.fromkeys(g.fingerprint() for g in graphs if g is not None))
     first = {fp: next(g for g in graphs if g is not None and g.fingerprint() == fp) for fp in distinct}

@@ -382,3 +382,34 @@ def test_a_model_writing_into_a_blocks_output_in_place_is_planned_block_by_block
         opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y, mask), quiet=True)
     assert opt.fit.blocks == ["blocks.0", "blocks.1", "blocks.2"] and not opt.fit.eager_blocks
     _train_both(opt, model, ref, [(x, y, mask)], budget)
+
+
+class ItemBlock(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, h):
+        return self.fc(h) / (1 + h.abs().max().item())  # `.item()`: the block cannot be traced either
+
+
+class ItemBlocksNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([ItemBlock() for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+def test_where_no_block_can_be_planned_the_error_says_why_in_a_note():
+    """The whole step's TraceError is raised as it was (its message names the step's line), with a
+    note on why its repeated blocks could not be planned one by one either: before, nothing said
+    that they were tried (XLM's in-place write hid behind its `.item()`)."""
+    with pytest.raises(remat.TraceError, match="item") as e:
+        remat.optimize(ItemBlocksNet(), budget_bytes=2**30, example_inputs=(torch.randn(4, 32),), quiet=True)
+    notes = getattr(e.value, "__notes__", [])
+    assert len(notes) == 1 and "3 repeated blocks (blocks.0, blocks.1, blocks.2) one by one" in notes[0]
+    assert "none could be traced either" in notes[0] and "item" in notes[0]
