@@ -64,9 +64,11 @@ def _detached(x: Any) -> Any:
 
 def record_block_calls(model: nn.Module, blocks: Sequence[nn.Module], args: tuple,
                         kwargs: dict) -> list[tuple[tuple, dict] | None]:
-    """Each block's first (args, kwargs) in one forward of `model` with grad enabled, the blocks run
-    under no_grad (their floating outputs then marked as requiring grad, as in training); RNG
-    state, buffers and gradients are left as they were."""
+    """Each block's first (args, kwargs) in a forward of `model` with grad enabled, the blocks run
+    under no_grad (their floating outputs then copied as requiring grad, as in training); where
+    that forward skipped blocks, further forwards (RECORD_FORWARDS in all) while each finds one not
+    called before, and a block none called takes the call of the nearest block of the same
+    structure (None where there is none). RNG state, buffers and gradients are left as they were."""
     from remat.compiled_fit import untouched
 
     seen: list[tuple[tuple, dict] | None] = [None] * len(blocks)
@@ -96,7 +98,8 @@ def record_block_calls(model: nn.Module, blocks: Sequence[nn.Module], args: tupl
     # later steps may call it, and the bound (plan_blockwise) must count it
     for i, b in enumerate(blocks):
         if seen[i] is None:
-            same = [j for j, c in enumerate(seen) if c is not None and block_structure(blocks[j]) == block_structure(b)]
+            same = [j for j, c in enumerate(seen)
+                    if c is not None and block_structure(blocks[j]) == block_structure(b)]
             if same:
                 seen[i] = seen[min(same, key=lambda j: (abs(j - i), j))]
     return seen
