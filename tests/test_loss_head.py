@@ -417,40 +417,6 @@ def test_auto_traces_once_where_the_head_is_too_small_to_matter(monkeypatch):
     assert opt.plan.extra_cost > 0 and heads == [False] and opt.plan.details["loss_head"] == "unchunked"
 
 
-def test_the_chunked_head_is_not_solved_where_its_rows_bound_says_it_cannot_cost_less(monkeypatch):
-    """Where the model's head has a plan that fits, the chunked head's graph is traced but solved
-    only if the rows' bound on its recomputations leaves it room to cost less in all; here it does
-    not (a 64-class head over wide layers), and solving it in full confirms it would have lost."""
-    import remat.pipeline as pipeline
-
-    torch.manual_seed(0)
-    model, args = Wide(64), (torch.randn(256, 64), torch.randint(0, 64, (256,)))
-    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
-    budget = int(0.8 * keep)
-    heads, solved = [], []
-    real_step, real_get = pipeline.planned_step, pipeline.get_solver
-    monkeypatch.setattr(pipeline, "planned_step", lambda *a, chunked=False, **k: heads.append(chunked) or real_step(
-        *a, chunked=chunked, **k))
-    monkeypatch.setattr(pipeline, "get_solver", lambda name: lambda graph, *a, **k: solved.append(
-        has_chunked_head(graph)) or real_get(name)(graph, *a, **k))
-    opt = remat.optimize(model, budget_bytes=budget, example_inputs=args, quiet=True)
-    assert heads == [False, True] and solved == [False] and opt.plan.details["loss_head"] == "unchunked"
-    monkeypatch.undo()
-    chunked = remat.capture(model, args, chunked_loss=True, quiet=True)
-    assert has_chunked_head(chunked)
-    full = remat.solve(chunked, budget, quiet=True)
-    assert full.fits and chunked.total_cost + full.extra_cost >= opt.plan.total_cost
-
-
-class Softcapped(Wide):
-    """Wide with its logits soft-capped (Gemma-2): a cross-entropy the chunked op cannot take."""
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return F.cross_entropy(30 * torch.tanh(self.head(x) / 30), y)
-
-
 def _heads_traced_and_solved(monkeypatch, model, args, budget):
     """remat.optimize under `budget`, recording each trace's head (chunked or not) and whether each
     graph solved has the chunked head."""
@@ -465,6 +431,31 @@ def _heads_traced_and_solved(monkeypatch, model, args, budget):
     opt = remat.optimize(model, budget_bytes=budget, example_inputs=args, quiet=True)
     monkeypatch.undo()
     return opt, heads, solved
+
+
+def test_the_chunked_head_is_not_solved_where_its_rows_bound_says_it_cannot_cost_less(monkeypatch):
+    """Where the model's head has a plan that fits, the chunked head's graph is traced but solved
+    only if the rows' bound on its recomputations leaves it room to cost less in all; here it does
+    not (a 64-class head over wide layers), and solving it in full confirms it would have lost."""
+    torch.manual_seed(0)
+    model, args = Wide(64), (torch.randn(256, 64), torch.randint(0, 64, (256,)))
+    keep = remat.solve(remat.capture(model, args, quiet=True), None, solver="keep_all").predicted_peak_bytes
+    budget = int(0.8 * keep)
+    opt, heads, solved = _heads_traced_and_solved(monkeypatch, model, args, budget)
+    assert heads == [False, True] and solved == [False] and opt.plan.details["loss_head"] == "unchunked"
+    chunked = remat.capture(model, args, chunked_loss=True, quiet=True)
+    assert has_chunked_head(chunked)
+    full = remat.solve(chunked, budget, quiet=True)
+    assert full.fits and chunked.total_cost + full.extra_cost >= opt.plan.total_cost
+
+
+class Softcapped(Wide):
+    """Wide with its logits soft-capped (Gemma-2): a cross-entropy the chunked op cannot take."""
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(30 * torch.tanh(self.head(x) / 30), y)
 
 
 def test_a_head_whose_logits_no_linear_computed_is_not_traced_twice(monkeypatch):
