@@ -370,6 +370,57 @@ def test_the_rows_a_plan_misses_are_added_a_row_a_round_until_the_gap_is_within_
 
 
 @pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
+def test_no_round_runs_where_the_bound_known_from_before_already_meets_the_gap_goal(n, seed, budget, monkeypatch):
+    """The rounds stop once the gap is within `rounds_gap`, counting the bound proven before them
+    (`known_bound`: the certified search's) and not only their own: with the brute force's optimum
+    as that bound and a goal the incumbent's gap to it meets, no round runs; with none known, they do."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    goal = 1.01 * (first.extra_cost - optimum) / first.extra_cost + 1e-6
+    assert first.extra_cost - first.bound > goal * first.extra_cost  # the rows alone leave more than the goal
+    rounds = dict(incumbent=first.extra_cost, more_rows_from=first, rounds_gap=goal, mip_gap=1e-4)
+    assert peak_rows_search(g, budget, **rounds).details["solves"]
+    assert peak_rows_search(g, budget, known_bound=optimum, **rounds).details["solves"] == []
+
+
+def test_no_further_round_runs_where_the_last_rounds_plan_refined_meets_the_gap_goal(monkeypatch):
+    """Before each round after the first, the best plan so far is refined and the gap checked
+    again: where refining makes it meet `rounds_gap`, no further round runs. On a chain whose first
+    round's plan costs more than the optimum, from an incumbent as dear: refinement stood in by one
+    that changes nothing, a second round runs; by one that answers the brute force's optimal
+    schedule (it fits and costs no more), it does not, and that plan is the answer."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g, budget = training_chain(11, 6), 78
+    best, optimal = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    real = peak_rows_search(g, budget, incumbent=first.extra_cost, more_rows_from=first, mip_gap=1e-4)
+    round_one = real.details["solves"][0]
+    dear, bound = round_one["plan_extra_cost"], round_one["bound"]
+    goal = 1.01 * (optimum - bound) / optimum + 1e-6
+    assert dear - bound > goal * dear  # the first round's plan as fitted leaves more than the goal
+    rounds = dict(incumbent=dear, more_rows_from=first, mip_gap=1e-4, rounds_gap=goal)
+
+    def solved(refine) -> list[int]:
+        monkeypatch.setattr(peak_rows, "drop_recomputations", refine)
+        got = peak_rows_search(g, budget, **rounds)
+        assert got.bound <= optimum + 1e-9 and simulate(g, got.schedule).peak_bytes <= budget
+        return [s["rows"] for s in got.details["solves"]], got.extra_cost
+
+    unchanged, _ = solved(lambda graph, sched, b: list(sched))
+    assert len(unchanged) >= 2
+    once, cost = solved(lambda graph, sched, b: list(optimal))
+    assert once == unchanged[:1] and cost == pytest.approx(optimum)
+
+
+@pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
 def test_a_graph_too_large_for_the_relaxation_goes_on_with_the_rows_a_plan_misses(n, seed, budget, monkeypatch):
     """Over RELAXATION_MAX_NODES there is no certified search; where the rows leave a gap over
     MORE_ROWS_GAP, the rows their plan misses are added there too: a bound no lower than the rows'

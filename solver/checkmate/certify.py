@@ -28,8 +28,7 @@ from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.candidates import Refined
 from remat.solver.checkmate.certified_search import MIP_MAX_VARIABLES, RELAXATION_MAX_NODES, certified_search
 from remat.solver.checkmate.relaxation import Relaxation
-from remat.solver.checkmate.peak_rows import (GENERATION_GROWTH, GENERATION_MAX_ITERATIONS, PeakRowsResult,
-                                              peak_rows_search)
+from remat.solver.checkmate.peak_rows import GENERATION_GROWTH, PeakRowsResult, peak_rows_search
 
 __all__ = ["Certificate", "certify", "ROWS_SOURCE", "MORE_ROWS_GAP", "ROUNDS_FIRST_MAX_ITERATIONS",
            "SKIP_SEARCH_GAP"]
@@ -41,13 +40,13 @@ ROWS_SOURCE = "peak rows: the row models of the steps keep-all puts over the bud
 TINY = 1e-12
 MORE_ROWS_GAP = 0.05
 # The rounds run before the certified search where the first is predicted (GENERATION_GROWTH times
-# the several rows' MILP's simplex iterations) within half the rounds' work limit: they are the
+# the several rows' MILP's simplex iterations) within this many simplex iterations: they are the
 # cheaper of the two there, and often close the gap that search leaves (Falcon-Mamba, 616 nodes,
 # at half its activation memory: the search 17.6 s at its work limit with a gap of 15.7%, then the
 # rounds 14.2 s to 0.01%; first, the rounds alone: 14.2 s). Where the first is predicted dearer
 # the search runs first, as the rounds may not close the gap: Gemma-2's (predicted 11.9k, 15.6k
 # iterations, 6.4 s) leaves it at 7.8%, the search's own is 2.7%.
-ROUNDS_FIRST_MAX_ITERATIONS = GENERATION_MAX_ITERATIONS // 2
+ROUNDS_FIRST_MAX_ITERATIONS = 10_000
 # Where the rounds that ran first prove the plan within this gap, the certified search does not
 # run: it could make the plan that much cheaper at most. At half the activation memory of the
 # models of benchmarks/certificates.py, where the rounds proved a plan within 2% the search never
