@@ -96,7 +96,7 @@ def test_fits_and_never_worse_than_equal_spacing(g, coarsen_to):
     lowest = equal_spacing.solve(g, 0).predicted_peak_bytes
     for frac in (0.25, 0.6, 1.0):
         budget = int(lowest + (full - lowest) * frac)
-        plan = checkmate.solve(g, budget, coarsen_to=coarsen_to)
+        plan = checkmate.solve(g, budget, coarsen_to=coarsen_to, milp="always")  # the MILP's promise is tested
         check_plan(g, plan, budget)
         assert plan.status in ("optimal", "feasible"), plan.details
         es = equal_spacing.solve(g, budget)
@@ -187,6 +187,28 @@ def test_transformer_plan_details():
     assert Plan.from_json(plan.to_json()).schedule == plan.schedule
 
 
+def test_under_auto_the_milp_runs_only_where_the_rows_do_not_prove_the_best_plan_first():
+    """milp="auto" on a small coarse graph searches the rows over the budget first: where they prove
+    the best plan found within mip_gap of every plan in the MILP's scope, the MILP does not run and
+    the plan costs no more than the MILP's would (milp="always"); elsewhere it runs as before and
+    the plan is the same. A chain at its smallest feasible budget (the rows prove nothing there)
+    and at half its activation memory (they do)."""
+    g = training_chain(11, 2)
+    low, full = checkmate.min_feasible_budget(g), peak(g, keep_all_schedule(g))
+    seen = set()
+    for budget in (low, (low + full) // 2):
+        auto, always = checkmate.solve(g, budget), checkmate.solve(g, budget, milp="always")
+        check_plan(g, auto, budget)
+        skipped = "rows over the budget" in str(auto.details.get("milp"))
+        seen.add(skipped)
+        if skipped:
+            assert "attempts" not in auto.details and auto.status == "optimal"
+            assert auto.extra_cost <= always.extra_cost * (1 + 1e-4) + 1e-9
+        else:
+            assert auto.details["attempts"] and auto.schedule == always.schedule
+    assert seen == {True, False}
+
+
 @pytest.mark.parametrize("backend", ["highs", "cbc"])
 def test_each_backend_matches_brute_force(backend):
     from remat.solver.checkmate import backends
@@ -197,7 +219,7 @@ def test_each_backend_matches_brute_force(backend):
         g = training_chain(n, seed)
         lo, hi = budgets(g)
         for budget in (lo, (lo + hi) // 2):
-            a = checkmate.solve(g, budget, backend=backend)
+            a = checkmate.solve(g, budget, backend=backend, milp="always")
             assert a.details["backend"] == backend and a.details["attempts"][0]["backend"] == backend
             assert a.status == "optimal" and a.total_cost == pytest.approx(brute_force(g, budget)[0])
         assert checkmate.solve(g, lo - 1, backend=backend).status == "infeasible"

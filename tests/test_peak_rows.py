@@ -302,8 +302,9 @@ def test_a_milp_with_a_target_stops_at_its_first_solution_at_or_under_it():
 def test_a_round_stops_at_a_solution_under_the_bound_already_known(n, seed, budget, monkeypatch):
     """A round's MILP whose bound could not rise above the one already proven (`known_bound`) stops
     at its first solution at or under it: each round's MILP is given that bound (in its own units)
-    as HiGHS's target; with the brute force's optimum as that bound, the bound the rounds report
-    stays within it and the plan fits, never cheaper than it."""
+    as HiGHS's target; with a bound between the rows' own and the brute force's optimum as that
+    bound (the optimum itself would leave no round to run), the bound the rounds report stays
+    within the optimum and the plan fits, never cheaper than it."""
     import remat.solver.checkmate.peak_rows as peak_rows
     from remat.solver.checkmate.sparse_lp import SparseModel
 
@@ -320,8 +321,10 @@ def test_a_round_stops_at_a_solution_under_the_bound_already_known(n, seed, budg
         return real_solve(self, **kw)
 
     monkeypatch.setattr(SparseModel, "solve", spy)
+    known = (first.bound + optimum) / 2
+    assert first.extra_cost - known > 1e-4 * first.extra_cost  # the rounds have a gap to close
     more = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first,
-                            known_bound=optimum)
+                            known_bound=known)
     assert targets and all(t is not None and t > 0 for t in targets)
     assert more.bound <= optimum + 1e-9
     if more.schedule is not None:

@@ -93,7 +93,7 @@ def test_a_failing_backend_falls_back_to_the_next(monkeypatch):
     g = training_chain(6, 0)
     budget = _mid_budget(g)
     with pytest.warns(SolverFallbackWarning, match="simulated failure"):
-        plan = checkmate.solve(g, budget)
+        plan = checkmate.solve(g, budget, milp="always")  # the MILP's backends are what is tested
     _fits(g, plan, budget)
     assert plan.status == "optimal" and plan.details["backend"] == "cbc"
     assert plan.details["attempts"][0] == {**plan.details["attempts"][0], "backend": "highs",
@@ -162,7 +162,7 @@ def test_cbc_segfault_on_warm_start_retries_cold(monkeypatch, tmp_path):
     g = training_chain(6, 3)
     budget = _mid_budget(g)
     with pytest.warns(SolverFallbackWarning, match="cbc"):
-        plan = checkmate.solve(g, budget, backend="cbc")
+        plan = checkmate.solve(g, budget, backend="cbc", milp="always")
     _fits(g, plan, budget)
     first, second = plan.details["attempts"][:2]
     assert first["backend"] == "cbc" and first["warm_start"] and "error" in first
@@ -179,7 +179,7 @@ def test_cbc_always_crashing_never_raises(monkeypatch, tmp_path):
     g = random_dag(20, 4)
     budget = _mid_budget(g)
     with pytest.warns(SolverFallbackWarning):
-        plan = checkmate.solve(g, budget, backend="cbc")
+        plan = checkmate.solve(g, budget, backend="cbc", milp="always")
     _fits(g, plan, budget)
     assert all("error" in a for a in plan.details["attempts"])
     with pytest.warns(SolverFallbackWarning):

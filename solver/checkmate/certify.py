@@ -85,8 +85,9 @@ class Certificate:
 
 
 def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined], *, mip_gap: float,
-            max_iterations: int | None, deadline: float | None) -> Certificate:
-    """The bound under `budget_bytes`, given the refined candidates (see the module docstring)."""
+            max_iterations: int | None, deadline: float | None, rows: PeakRowsResult | None = None) -> Certificate:
+    """The bound under `budget_bytes`, given the refined candidates (see the module docstring).
+    rows: the rows' search already run from these candidates (candidates.py, before the MILP)."""
     def best_plan(plans: dict[str, Refined]) -> Refined | None:
         return min((r for r in plans.values() if r.sim.peak_bytes <= budget_bytes),
                    key=lambda r: r.sim.extra_cost, default=None)
@@ -97,7 +98,8 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
 
     known = dict(refined)
     left = None if deadline is None else max(0.5, deadline - time.perf_counter())
-    rows = peak_rows_search(graph, budget_bytes, incumbent=best_cost(known), mip_gap=mip_gap, time_limit_s=left)
+    if rows is None:
+        rows = peak_rows_search(graph, budget_bytes, incumbent=best_cost(known), mip_gap=mip_gap, time_limit_s=left)
     if math.isinf(rows.bound):
         return Certificate(rows.bound, True, rows=rows.details,
                            bound_source=f"peak rows: no schedule fits at {rows.details['infeasible_row']}")

@@ -17,6 +17,10 @@ row's bound; where a few stretches of the step bind, the rows of those stretches
 few thousand variables. `peak_floor` is what every schedule holds at its worst step (a lower bound
 on any peak); `lowest_peak_by_rows` searches down to it with guided.fit, for graphs too large for
 the relaxation.
+
+Why this file is long: the search's stages (single rows, their MILPs, the runs together, the
+rounds) share one state, the bound and the plans found so far, and each stage's work limit
+carries the measurements that set it.
 """
 from __future__ import annotations
 

@@ -83,11 +83,11 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
     limits = make_limits(time_limit_s, max_nodes, mip_gap, threads)
     g = coarse_graph(graph, coarsen_to)
     cands = gather(graph, g, budget_bytes, backend=name, limits=limits, deadline=deadline, warm_start=warm_start,
-                   msg=msg, milp=milp, certify=certify)
+                   msg=msg, milp=milp, certify=certify, mip_gap=mip_gap)
     cert = Certificate()
     if certify:
         cert = certify_stage(graph, budget_bytes, cands.refined, mip_gap=mip_gap, max_iterations=max_iterations,
-                             deadline=deadline)
+                             deadline=deadline, rows=cands.rows_first)
     es = cands.equal_spacing
     choice = choose({**cands.refined, **cert.plans}, budget_bytes, cands.milp, es)
     if choice is None and es is None:  # a large graph the certified search found nothing for: the heuristics
