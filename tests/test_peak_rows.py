@@ -298,6 +298,33 @@ def test_a_milp_with_a_target_stops_at_its_first_solution_at_or_under_it():
     assert under.status == "optimal" and under.objective == pytest.approx(full.objective)
 
 
+def test_a_rows_milps_node_limit_shrinks_with_its_variables(monkeypatch):
+    """Each rows' MILP runs at most ROWS_MAX_NODES branch-and-bound nodes, and at most
+    ROWS_MAX_NODE_VARIABLES over its variables (at least one): with that product set near these
+    MILPs' sizes (21-40 variables), HiGHS is given limits of one and two nodes by that rule, and the
+    bound stays a bound (within the brute force's optimum)."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+    from remat.solver.checkmate.sparse_lp import SparseModel
+
+    g, budget = training_chain(11, 6), 78
+    best, _ = brute_force(g, budget)
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    limits = []
+    real_solve = SparseModel.solve
+
+    def spy(self, **kw):
+        if kw.get("integral"):
+            limits.append((self.num_vars, kw.get("max_nodes")))
+        return real_solve(self, **kw)
+
+    monkeypatch.setattr(SparseModel, "solve", spy)
+    monkeypatch.setattr(peak_rows, "ROWS_MAX_NODE_VARIABLES", 50)
+    got = peak_rows_search(g, budget, mip_gap=0.0)
+    assert {m for _, m in limits} == {1, 2}
+    assert all(m == max(1, min(peak_rows.ROWS_MAX_NODES, 50 // n)) for n, m in limits)
+    assert got.bound <= best - g.total_cost + 1e-9
+
+
 @pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
 def test_a_round_stops_at_a_solution_under_the_bound_already_known(n, seed, budget, monkeypatch):
     """A round's MILP whose bound could not rise above the one already proven (`known_bound`) stops

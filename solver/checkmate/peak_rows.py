@@ -43,7 +43,7 @@ from remat.solver.schedule import keep_all_schedule
 __all__ = ["PeakRowsResult", "peak_rows_search", "MAX_ROWS", "SINGLE_MILPS", "MULTI_MAX_ROWS", "GENERATION_ROUNDS",
            "GENERATION_NEW_ROWS", "GENERATION_MAX_ITERATIONS", "GENERATION_GROWTH", "GENERATION_MAX_VARIABLES",
            "GENERATION_PLAN_MAX_VARIABLES", "MULTI_MAX_VARIABLES", "PLAN_SOLUTIONS", "PLAN_MAX_NODES",
-           "ROWS_MAX_NODES", "MILP_SAFETY", "PLAN_EXCHANGE_SHARE", "ALL_PLANS_MAX_NODES", "peak_floor",
+           "ROWS_MAX_NODES", "ROWS_MAX_NODE_VARIABLES", "MILP_SAFETY", "PLAN_EXCHANGE_SHARE", "ALL_PLANS_MAX_NODES", "peak_floor",
            "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
@@ -95,8 +95,14 @@ GENERATION_MAX_VARIABLES = 5000
 GENERATION_PLAN_MAX_VARIABLES = 12000
 PLAN_SOLUTIONS = 1
 PLAN_MAX_NODES = 20
-# branch-and-bound nodes of a rows' MILP (a work limit: the plan must not depend on the machine's load)
+# branch-and-bound nodes of a rows' MILP (a work limit: the plan must not depend on the machine's load),
+# and at most ROWS_MAX_NODE_VARIABLES over its variables (a node's LPs grow with them): xLSTM at its
+# smallest budget, 9 rows together (10,220 variables), ran 2,000 nodes (149k simplex iterations, 70 s)
+# for no plan and a bound 0.7% higher; at half their activation memory and at their smallest budgets,
+# the 82 graphs of benchmarks/certificates.py and unseen_models.py solve their rows' MILPs within
+# 4.5M (Zamba2: 1,658 nodes of 2,687 variables, to its optimum)
 ROWS_MAX_NODES = 2000
+ROWS_MAX_NODE_VARIABLES = 6_000_000
 # Every distinct plan made to fit (each MILP's, by each price) is improved by the exchange search
 # before it is refined, each with this share of that search's usual limit (exchange.evaluations: a
 # search's six plans, three MILPs by two prices, cost twice one search). The cheapest before is
@@ -259,7 +265,10 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         proves no fit. plan_only: the MILP searched for a plan below the best one (PLAN_SOLUTIONS).
         target: the MILP stops at its first solution at or under this (cost units)."""
         rm = rm or rows_model(graph, rows_, readers)
-        nodes_limit = (PLAN_MAX_NODES if plan_only else ROWS_MAX_NODES) if integral else None
+        nodes_limit = None
+        if integral:
+            nodes_limit = PLAN_MAX_NODES if plan_only else ROWS_MAX_NODES
+            nodes_limit = max(1, min(nodes_limit, ROWS_MAX_NODE_VARIABLES // max(rm.model.num_vars, 1)))
         best = min(found["cost"], incumbent)
         cutoff = best / rm.cost_scale if plan_only and math.isfinite(best) else None
         start = point_of_schedule(rm, graph, incumbent_schedule) if integral and incumbent_schedule else None
@@ -272,7 +281,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
                              cutoff=cutoff, max_improving=PLAN_SOLUTIONS if plan_only else None, start=start,
                              target=target / rm.cost_scale if integral and target else None)
         entry = {"rows": len(rm.rows), "integral": integral, "status": sol.status, "variables": rm.model.num_vars,
-                 "constraints": rm.model.num_rows, "iterations": sol.iterations, "s": round(sol.seconds, 3)}
+                 "constraints": rm.model.num_rows, "iterations": sol.iterations, "nodes": sol.nodes,
+                 "s": round(sol.seconds, 3)}
         if plan_only:
             entry["plan_only"] = True
         solves.append(entry)
