@@ -18,7 +18,8 @@ writes into its attention's output in place), ProphetNet (planned block by block
 called with expanded tensors), BLIP (returns one tensor twice) and ViLT (planned block by block,
 returns its logits), then the four slowest solves of the architectures tried with those (DPT's
 dense-prediction head, Zamba2, Pegasus-X, Swin2SR), then TimeSeriesTransformer and FlauBERT (LayerDrop,
-planned block by block; FlauBERT also writes into its blocks' outputs in place): small configs (width 64, 2-3 layers,
+planned block by block; FlauBERT also writes into its blocks' outputs in place), then the slowest of a third
+round (GroupViT, planned block by block, xLSTM, DeepSeek-V2): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -238,6 +239,25 @@ def _models() -> dict:
             vocab_size=V, emb_dim=W, n_layers=3, n_heads=4, max_position_embeddings=S, layerdrop=0.3,
             pre_norm=False, dropout=0.1, attention_dropout=0.1)),
             dict(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)),
+        # the slowest of the third round of architectures: GroupViT (two towers, planned block by block: its
+        # Gumbel distribution's argument checks call `.item()`), xLSTM (1,238 nodes) and DeepSeek-V2 (latent
+        # attention, mixture of experts), the last two at their smallest budgets
+        "groupvit": lambda: (tf.GroupViTModel(tf.GroupViTConfig(
+            text_config=dict(vocab_size=V, hidden_size=W, intermediate_size=2 * W, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=S),
+            vision_config=dict(hidden_size=W, intermediate_size=2 * W, depths=[2, 1], num_group_tokens=[8, 0],
+                               num_output_groups=[8, 8], num_attention_heads=4, image_size=32, patch_size=8),
+            projection_dim=32, projection_intermediate_dim=64)),
+            dict(input_ids=ids, attention_mask=mask, pixel_values=pics["pixel_values"], return_loss=True)),
+        "xlstm": lambda: (tf.xLSTMForCausalLM(tf.xLSTMConfig(
+            vocab_size=V, hidden_size=W, num_blocks=2, num_heads=4, mode="train",
+            chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
+            step_kernel="native", chunk_size=16, qk_dim_factor=0.5, v_dim_factor=1.0, pad_token_id=0)),
+            dict(input_ids=ids, labels=ids, use_cache=False)),
+        "deepseek_v2": lambda: (tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(
+            **common, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, pad_token_id=0)), lm),
     }
 
 
@@ -248,7 +268,8 @@ BLOCKWISE_SHARE = 0.8
 MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mamba", "focalnet", "cohere", "xlnet",
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
           "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet",
-          "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert")
+          "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert", "groupvit",
+          "xlstm", "deepseek_v2")
 
 
 def _loss(out):
