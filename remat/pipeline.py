@@ -246,8 +246,7 @@ class StepPlanner:
                 # (BigBird's block-sparse attention at its smallest budget: 12 s)
                 smallest = known_smallest_feasible(graph, o.solver, o.time_limit_s, **o.solver_kwargs)
                 if smallest is not None and smallest > budget:
-                    raise InfeasibleBudgetError(f"no plan fits {budget / 2**20:.2f} MiB (the smallest budget found "
-                                                f"for this step is {smallest / 2**20:.2f} MiB)")
+                    raise infeasible_budget(o.solver, budget, smallest)
                 plan = get_solver(o.solver)(graph, budget, **strategy_options(
                     o.solver, o.time_limit_s, o.solver_kwargs).as_kwargs())
                 if plan.status == "infeasible" or not plan.fits:

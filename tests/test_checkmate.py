@@ -192,7 +192,8 @@ def test_under_auto_the_milp_runs_only_where_the_rows_do_not_prove_the_best_plan
     the best plan found within mip_gap of every plan in the MILP's scope, the MILP does not run and
     the plan costs no more than the MILP's would (milp="always"); elsewhere it runs as before and
     the plan is the same. A chain at its smallest feasible budget (the rows prove nothing there)
-    and at half its activation memory (they do)."""
+    and at half its activation memory (they do); under every step's memory the rows prove that no
+    plan fits, and the MILP does not run either."""
     g = training_chain(11, 2)
     low, full = checkmate.min_feasible_budget(g), peak(g, keep_all_schedule(g))
     seen = set()
@@ -207,6 +208,9 @@ def test_under_auto_the_milp_runs_only_where_the_rows_do_not_prove_the_best_plan
         else:
             assert auto.details["attempts"] and auto.schedule == always.schedule
     assert seen == {True, False}
+    none = checkmate.solve(g, g.resident_bytes)
+    assert none.status == "infeasible" and none.details["reason"] == "proven infeasible"
+    assert "attempts" not in none.details and "no plan fits" in none.details["milp"]
 
 
 @pytest.mark.parametrize("backend", ["highs", "cbc"])

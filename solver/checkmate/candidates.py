@@ -64,7 +64,8 @@ def gather(graph: TrainingGraph, g: TrainingGraph, budget_bytes: int, *, backend
     if skipped is None and milp == "auto" and certify:
         rows = _rows_first(graph, budget_bytes, refined, mip_gap, deadline)
         if rows is not None:
-            skipped = "not run: the rows over the budget prove the best plan found within mip_gap of any it could find"
+            skipped = ("not run: the rows over the budget prove that no plan fits" if math.isinf(rows.bound) else
+                       "not run: the rows over the budget prove the best plan found within mip_gap of any it could find")
     outcome = None
     if skipped is None:
         # stacklevel 5: warn_fallback, run_milp, here, checkmate's solve, its caller
@@ -78,14 +79,16 @@ def gather(graph: TrainingGraph, g: TrainingGraph, budget_bytes: int, *, backend
 def _rows_first(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined], mip_gap: float,
                 deadline: float | None) -> PeakRowsResult | None:
     """The rows' search (peak_rows.py) from the best refined candidate that fits, where it proves a
-    plan (its own or that candidate) within `mip_gap`; else None. On a small graph the rows often
-    prove the optimum in a fraction of a second where the MILP runs to its node limit without
-    one: GroupViT's vision blocks (54 and 61 nodes) 6.3-7.5 s each, at each of their levels."""
+    plan (its own or that candidate) within `mip_gap`, or that no plan fits; else None. On a small
+    graph the rows often prove the optimum in a fraction of a second where the MILP runs to its
+    node limit without one: GroupViT's vision blocks (54 and 61 nodes) 6.3-7.5 s each, at each of their levels."""
     best = min((r.sim.extra_cost for r in refined.values() if r.sim.peak_bytes <= budget_bytes), default=math.inf)
     left = None if deadline is None else max(0.5, deadline - time.perf_counter())
     rows = peak_rows_search(graph, budget_bytes, incumbent=best, mip_gap=mip_gap, time_limit_s=left)
+    if math.isinf(rows.bound):
+        return rows  # no schedule fits: the MILP could find none either
     cost = min(best, rows.extra_cost)
-    proven = math.isfinite(rows.bound) and math.isfinite(cost) and cost - rows.bound <= mip_gap * cost + 1e-12
+    proven = math.isfinite(cost) and cost - rows.bound <= mip_gap * cost + 1e-12
     return rows if proven else None
 
 
