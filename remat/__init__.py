@@ -19,7 +19,7 @@ from remat.graph_capture.profiling import ProfilerBusyError
 from remat.graph_capture.workspace import WorkspaceNotMeasuredWarning
 from remat.measure import count_flops, measure_peak, resident_bytes
 from remat.runtime.compile import CompiledPeakWarning
-from remat.runtime.module import OutsideBudgetWarning, PlanCacheLimitWarning, RematModule
+from remat.runtime.module import BlockBudgetWarning, OutsideBudgetWarning, PlanCacheLimitWarning, RematModule
 from remat.deployment import load_plan
 from remat.planning import plan
 from remat.settings import CaptureOptions, Solver
@@ -35,6 +35,6 @@ __all__ = ["optimize", "plan", "capture", "solve", "Solver", "CaptureOptions", "
            "RematError", "RematWarning",
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "FusedAttentionWarning",
+           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "BlockBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "FusedAttentionWarning",
            "WorkspaceNotMeasuredWarning", "ProfilerBusyError", "CompiledPeakWarning", "SolverFallbackWarning",
            "NotAChainError"]

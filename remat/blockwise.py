@@ -39,6 +39,10 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
    InfeasibleBudgetError when even level 0 does not fit (its `min_feasible_bytes`: that bound).
 5. Calls of other shapes are planned block by block (each block's RematModule plans new calls
    under its level's budget); the whole step's budget is measured for the example inputs only.
+   That budget is the block's share, set by remat for its example call, so a call that no plan fits
+   under it (a larger batch; a skipped LayerDrop block handed the first block's call, whose input
+   did not require grad, then called with one that does) is planned at its own smallest feasible
+   budget with a BlockBudgetWarning rather than stopping training (`PlanOptions.block_share`).
 
 The model is not modified: during a call of the returned `BlockwiseModule` (with grad enabled) each
 block's `forward` is redirected to its RematModule, and restored after. `BlockwisePlanWarning`
@@ -308,7 +312,8 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
                 if ps is None:
                     out.append(None)
                     continue
-                block_options = dataclasses.replace(options, budget_bytes=ps[level].budget_bytes, quiet=True)
+                block_options = dataclasses.replace(options, budget_bytes=ps[level].budget_bytes, quiet=True,
+                                                    block_share=True)
                 out.append(deployed_module(b, call[0], call[1], block_options, ps[level], cache_limit))
         return out
 

@@ -23,6 +23,9 @@ chosen so that each rank's measured peak stays under B:
    backward, plus what the running block adds at its own peak (simulated), plus a margin of one
    block's gathered parameters for collectives in flight. Blocks are traced again for that level
    under FSDP2's `unshard()` and swap their step (`RematModule.adopt`).
+6. a later kind of call (another batch shape) is planned by each block, with the same solver, under
+   its plan's budget, the block's share; one that no plan fits under it is planned at its smallest
+   feasible budget (`BlockBudgetWarning`): the per-rank budget was calibrated on the example inputs.
 
 Why not the other design (plan the sharded model as one graph): FSDP2 gathers each block's
 parameters with hooks when the block runs and frees them after, and the traced graph sees only
@@ -40,9 +43,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.api import capture, optimize, solve
+from remat.api import capture
 from remat.blockwise import level_plans
 from remat.measure import measure_peak
+from remat.pipeline import PlanOptions, deployed_module
 from remat.runtime.distributed import BlockProfile, block_profile, broadcast_plans, ddp_reserved_bytes, fit_block_level
 from remat.runtime.module import OutsideBudgetWarning, RematModule
 from remat.core.plan import Plan
@@ -206,10 +210,17 @@ def _fully_shard_with_remat(model, blocks, example_inputs, budget_bytes, budget_
     profiles: list[list[BlockProfile]] = [[block_profile(g, p) for p in ps] for g, ps in zip(graphs, per_block)]
     gathered = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks)
 
+    def block_module(b: nn.Module, a: tuple, k: dict, plan: Plan) -> RematModule:
+        # later kinds of call planned with the same solver, under the plan's budget as the block's
+        # share of the step's (PlanOptions.block_share: one no plan fits is planned at its smallest)
+        options = PlanOptions(budget_bytes=plan.budget_bytes, solver=solver, time_limit_s=time_limit_s,
+                              solver_options=tuple(solver_kwargs.items()), quiet=True, block_share=True)
+        return deployed_module(b, a, k, options, plan)
+
     # 3. level 0 deployed, then sharded as torchtitan shards: each block, then the root
     remats: list[RematModule] = []
     for b, (a, k), ps in zip(blocks, seen_inputs, per_block):
-        r = optimize(b, example_inputs=a, example_kwargs=k, plan=ps[0])
+        r = block_module(b, a, k, ps[0])
         _replace(model, b, r)
         remats.append(r)
     for r in remats:
@@ -223,7 +234,7 @@ def _fully_shard_with_remat(model, blocks, example_inputs, budget_bytes, budget_
         for r, (a, k), ps in zip(remats, seen_inputs, per_block):
             r.unshard()
             try:
-                r.adopt(optimize(r.module, example_inputs=a, example_kwargs=k, plan=ps[level]))
+                r.adopt(block_module(r.module, a, k, ps[level]))
             finally:
                 r.reshard()
     return ShardedPlan(budget_bytes=budget, calibrated_peak_bytes=measured, margin_bytes=gathered, level=level,

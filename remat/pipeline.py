@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ from remat.deployment import plan_context, rejudge
 from remat.head_choice import (has_chunked_head, head_added, head_worth_tracing, loss_head_of, may_cost_less, plan_head,
                                routable_log_softmaxes)
 from remat.runtime.compile import PlannedGraphs
-from remat.runtime.module import (DEFAULT_CACHE_LIMIT, PlannedStep, PlanRecord, RematModule, call_key, describe_key,
+from remat.runtime.module import (DEFAULT_CACHE_LIMIT, BlockBudgetWarning, PlannedStep, PlanRecord, RematModule, call_key, describe_key,
                                   model_device_types)
 from remat.runtime.call_state import warn_traced_hooks
 from remat.runtime.partition import partition_with_plan
@@ -110,6 +111,10 @@ class PlanOptions:
     quiet: bool = False  # no progress lines on stderr
     compiled: bool = False  # measure the Inductor-compiled step and plan until it fits (compiled_fit.py)
     chunked_loss: bool | str = "auto"  # the loss head chunked: "auto" (the cheaper plan), "on"/True, "off"/False
+    # the budget is a block's share of the step's, set by remat for the block's example call
+    # (remat/blockwise.py): a later call no plan fits under it is planned at its own smallest
+    # feasible budget, with a BlockBudgetWarning, instead of raising; the user's budget is the step's
+    block_share: bool = False
 
     @property
     def solver_kwargs(self) -> dict[str, Any]:
@@ -277,7 +282,24 @@ class StepPlanner:
                 step.graphs.use_inductor()
             return step
         except InfeasibleBudgetError as e:
+            if o.block_share and known is None and not o.compiled and e.min_feasible_bytes is not None:
+                return self._over_share(model, args, kwargs, others, call, e.min_feasible_bytes)
             raise InfeasibleBudgetError(f"{call}: {e}", min_feasible_bytes=e.min_feasible_bytes) from None
+
+    def _over_share(self, model: nn.Module, args: tuple, kwargs: dict, others: list[tuple[str, Plan]], call: str,
+                    smallest: int) -> PlannedStep:
+        """A block's call that no plan fits under its share of the step's budget (`block_share`),
+        planned at the smallest budget found for it: a call unlike the block's example (an input
+        that requires grad where the example's did not, a longer sequence) can need more than the
+        share; the block's planned memory is then over what the step was measured with."""
+        step = self._best_head(model, args, kwargs, others, call, smallest)
+        share = self.options.budget_bytes or 0
+        warnings.warn(BlockBudgetWarning(
+            f"{call}: no plan of {type(model).__name__} fits its share of the step's budget, {share / 2**20:.2f} MiB "
+            f"(set for the block's example call); planned at its smallest feasible budget, {smallest / 2**20:.2f} "
+            f"MiB: the step's peak was measured for the example inputs, and this call can take it over the budget"),
+            stacklevel=2)
+        return step
 
     def _best_head(self, model: nn.Module, args: tuple, kwargs: dict, others: list[tuple[str, Plan]], call: str,
                    budget: int | None) -> PlannedStep:

@@ -41,7 +41,7 @@ from remat.runtime.compile import PlannedGraphs
 from remat.core.plan import Plan
 
 __all__ = ["RematModule", "ModelWrapper", "SignatureForward", "PlannedStep", "PlanRecord", "CallPlanner", "CallKey", "call_key",
-           "describe_key", "model_device_types", "OutsideBudgetWarning", "PlanCacheLimitWarning", "DEFAULT_CACHE_LIMIT"]
+           "describe_key", "model_device_types", "OutsideBudgetWarning", "BlockBudgetWarning", "PlanCacheLimitWarning", "DEFAULT_CACHE_LIMIT"]
 
 # torch._dynamo.config.recompile_limit's default: the planned steps a module keeps before it drops
 # the least recently used one
@@ -50,6 +50,11 @@ DEFAULT_CACHE_LIMIT = 8
 
 class OutsideBudgetWarning(RematWarning):
     """The model returns more than a loss: memory used outside the module is not budgeted."""
+
+
+class BlockBudgetWarning(RematWarning):
+    """A block planned within a larger step (remat/blockwise.py) met a call that needs more than its
+    share of the step's budget: planned at that call's smallest feasible budget instead."""
 
 
 class PlanCacheLimitWarning(RematWarning):

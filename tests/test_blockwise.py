@@ -413,3 +413,23 @@ def test_where_no_block_can_be_planned_the_error_says_why_in_a_note():
     notes = getattr(e.value, "__notes__", [])
     assert len(notes) == 1 and "3 repeated blocks (blocks.0, blocks.1, blocks.2) one by one" in notes[0]
     assert "none could be traced either" in notes[0] and "item" in notes[0]
+
+
+def test_a_blocks_call_needing_more_than_its_share_is_planned_at_its_smallest_with_a_warning():
+    # a block's budget is its share of the step's, set for its example call: a later call needing more
+    # (here four times the batch) raised InfeasibleBudgetError mid-training, naming a budget the user
+    # never gave (the share); so did a LayerDrop block the recording forwards skipped, handed the first
+    # block's call (an input not requiring grad) and later called with one that does
+    torch.manual_seed(0)
+    model = Net("item")
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(16, 16), torch.randint(0, 5, (16,))
+    budget = _tight(model, (x, y))
+    with pytest.warns(remat.BlockwisePlanWarning):
+        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    share = opt.blocks[0].plan.budget_bytes
+    big = (torch.randn(64, 16), torch.randint(0, 5, (64,)))
+    with pytest.warns(remat.BlockBudgetWarning, match="smallest feasible budget"):
+        _train_both(opt, model, ref, [big], budget=2**40)
+    assert all(max(p.budget_bytes for p in b.plans) > share for b in opt.blocks)
+    _train_both(opt, model, ref, [(x, y)], budget)  # the example's own plan still runs within the step's budget

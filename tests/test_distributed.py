@@ -128,6 +128,26 @@ def _fsdp_job(rank: int) -> dict:
         remat.optimize(ref, budget_bytes=budget, example_inputs=(idx, tgt))
     except remat.RematArgumentError as e:
         out["wrapped_error"] = str(e)
+    # a batch 16 times the example's needs more than each block's share: planned at the block's
+    # smallest (BlockBudgetWarning), with the unmodified model's loss and gradients
+    import warnings
+
+    big = (idx.repeat(16, 1), tgt.repeat(16, 1))
+    losses, warned = [], []
+    for m in (model, fresh):
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(7)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss = m(*big)
+            loss.backward()
+        losses.append(loss.item())
+        warned.append(sorted({w.category.__name__ for w in seen if w.category.__module__.startswith("remat")}))
+    out["big_warnings"] = warned[0]
+    out["big_same"] = losses[0] == losses[1] and all(
+        torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), rtol=1e-5, atol=1e-6)
+        for a, b in zip(model.parameters(), fresh.parameters()))
     return out
 
 
@@ -182,3 +202,4 @@ def test_fsdp2_blocks_planned_before_sharding_fit_the_budget_per_rank(tmp_path):
         assert max(res["peaks"]) < min(res["ref_peaks"])
         assert res["same_as_ref"], (r, res["param_diff"])
         assert "fully_shard_with_remat" in res["wrapped_error"]
+        assert res["big_same"] and res["big_warnings"] == ["BlockBudgetWarning"], (r, res["big_warnings"])
