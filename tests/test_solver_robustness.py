@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import textwrap
 import warnings
 from dataclasses import replace
 
@@ -66,6 +67,28 @@ def test_highs_is_the_default_backend():
 
 
 @needs_cbc
+@needs_highs
+def test_highs_instances_made_in_threads_at_once_leave_stdout_as_it_was():
+    # each constructor pointed stdout's descriptor at /dev/null and back: two threads doing it at
+    # once (solves run two at a time) left it at /dev/null, and the user's prints vanished
+    code = textwrap.dedent("""
+        import threading, highspy
+        from remat.solver.checkmate.backends import new_highs
+        barrier = threading.Barrier(8)
+        def make():
+            barrier.wait()
+            for _ in range(20):
+                new_highs(highspy)
+        threads = [threading.Thread(target=make) for _ in range(8)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print("stdout still here")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "stdout still here\n"  # and no banner
+
+
 def test_cbc_still_works_and_is_the_default_without_highspy(monkeypatch):
     g = training_chain(7, 2)
     lo, _ = brute_force(g, None, objective="peak")

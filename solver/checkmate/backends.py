@@ -278,22 +278,35 @@ def _run_cbc(prob, limits: Limits, warm: bool, msg: bool) -> Outcome:
     return Outcome("feasible", objective=obj, bound=bound, gap=gap, stopped_by=stopped)
 
 
+_BANNER_LOCK = threading.Lock()
+_banner_printed = False
+
+
 def new_highs(highspy):
     """A Highs instance without its banner: the C++ constructor prints it to the process's stdout
     (once per process), before any option can turn output off, into the middle of the user's own
-    output. stdout's file descriptor points at /dev/null for the constructor alone."""
+    output. stdout's file descriptor points at /dev/null for the first constructor alone, under a
+    lock: two threads swapping the descriptor at once (solves run two at a time) could leave it
+    pointing at /dev/null for good."""
+    global _banner_printed
+    if _banner_printed:
+        return highspy.Highs()
     import ctypes
     import sys
 
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            try:
-                return highspy.Highs()
-            finally:
-                ctypes.CDLL(None).fflush(None)  # C stdio's buffer goes to /dev/null too
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+    with _BANNER_LOCK:
+        if _banner_printed:
+            return highspy.Highs()
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                try:
+                    return highspy.Highs()
+                finally:
+                    ctypes.CDLL(None).fflush(None)  # C stdio's buffer goes to /dev/null too
+                    _banner_printed = True
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
