@@ -144,7 +144,7 @@ def test_budget_probes_solve_the_relaxation_at_each_budget():
     """BudgetProbe (one relaxation moved from budget to budget, each LP started from the last
     one's basis) answers what a relaxation built at that budget answers: nothing fits by the rows,
     an infeasible LP, or the same optimum; in any order of budgets, after an infeasible one too."""
-    from remat.solver.checkmate.guided import BudgetProbe
+    from remat.solver.checkmate.peak_bisection import BudgetProbe
     from remat.solver.checkmate.relaxation import Relaxation
 
     seen = set()
@@ -171,7 +171,7 @@ def test_budget_probes_solve_the_relaxation_at_each_budget():
 def test_hot_started_probes_give_the_cold_bisection(monkeypatch):
     """lowest_peak_search with its probes built and solved from nothing at each budget (as before
     BudgetProbe) finds the same schedule and bound as with the hot-started probes."""
-    from remat.solver.checkmate import guided
+    from remat.solver.checkmate import peak_bisection as bisection
     from remat.solver.checkmate.relaxation import Relaxation
 
     class ColdProbe:
@@ -184,11 +184,11 @@ def test_hot_started_probes_give_the_cold_bisection(monkeypatch):
             return None if self.rel.infeasible_at is not None else self.rel.model.solve()
 
     for g in (training_chain(40, 0), random_dag(30, 1)):
-        hot = guided.lowest_peak_search(g)
+        hot = bisection.lowest_peak_search(g)
         probed = []
         with monkeypatch.context() as m:
-            m.setattr(guided, "BudgetProbe", ColdProbe)
-            cold = guided.lowest_peak_search(g)
+            m.setattr(bisection, "BudgetProbe", ColdProbe)
+            cold = bisection.lowest_peak_search(g)
         assert probed  # the bisection reached the relaxation's probes
         assert hot[1] == cold[1] and simulate(g, hot[0]).peak_bytes == simulate(g, cold[0]).peak_bytes
 
@@ -199,19 +199,19 @@ def test_the_bisection_stops_within_its_resolution(monkeypatch):
     its peak is within 1 / (1 - resolution) of the peak the bisection to the byte finds, in no
     more probes (the last probe's reading from nothing, `_cold_at`, set aside: it may go lower
     either way)."""
-    from remat.solver.checkmate import guided
+    from remat.solver.checkmate import peak_bisection as bisection
 
-    real = guided.fit
-    monkeypatch.setattr(guided, "_cold_at", lambda g, best, peak, budget: best)
+    real = bisection.fit
+    monkeypatch.setattr(bisection, "_cold_at", lambda g, best, peak, budget: best)
     fewer = 0
     for g in (training_chain(40, 0), random_dag(30, 1), transformer_like(3, seed=2)):
         runs = {}
         for res in (0.0, 0.05):
             probed = []
-            monkeypatch.setattr(guided, "PEAK_RESOLUTION", res)
-            monkeypatch.setattr(guided, "fit", lambda gr, d, b, *a, **k: (probed.append(b) if k.get("max_rounds") == 30 else None)
+            monkeypatch.setattr(bisection, "PEAK_RESOLUTION", res)
+            monkeypatch.setattr(bisection, "fit", lambda gr, d, b, *a, **k: (probed.append(b) if k.get("max_rounds") == 30 else None)
                                 or real(gr, d, b, *a, **k))
-            sched, bound = guided.lowest_peak_search(g)
+            sched, bound = bisection.lowest_peak_search(g)
             runs[res] = (simulate(g, sched).peak_bytes, bound, len(probed))
         (fine, fine_bound, fine_probes), (coarse, coarse_bound, coarse_probes) = runs[0.0], runs[0.05]
         assert fine_bound <= fine and coarse_bound <= coarse
@@ -223,10 +223,11 @@ def test_the_bisection_stops_within_its_resolution(monkeypatch):
 
 def test_the_cold_read_stops_at_its_work_limit(monkeypatch):
     """`_cold_at` solves the last probe's relaxation from nothing within COLD_MAX_ITERATIONS
-    simplex iterations: under the default limit these small graphs' LPs finish (optimal), and with
-    a limit of one iteration the LP stops ("limit") and the search returns the plan the hot-started
-    probes found, as if the cold read were not made."""
-    from remat.solver.checkmate import guided
+    simplex iterations: under the default limit these small graphs' LPs finish (optimal); with a
+    limit of one iteration the search makes no cold read (its first probe's LP, from nothing too,
+    took more) and returns the plan the hot-started probes found, and the read itself stops
+    ("limit") with the plan it was handed."""
+    from remat.solver.checkmate import peak_bisection as bisection
     from remat.solver.checkmate.sparse_lp import SparseModel
 
     statuses = []
@@ -239,18 +240,63 @@ def test_the_cold_read_stops_at_its_work_limit(monkeypatch):
         return sol
 
     monkeypatch.setattr(SparseModel, "solve", spy)
-    real_cold = guided._cold_at
+    real_cold = bisection._cold_at
     for g in (training_chain(20, 2), random_dag(30, 0), transformer_like(3, seed=2)):
         statuses.clear()
-        full = guided.lowest_peak_search(g)
+        full = bisection.lowest_peak_search(g)
         assert statuses == ["optimal"]  # the cold read ran, and within the default limit
         with monkeypatch.context() as m:
-            m.setattr(guided, "COLD_MAX_ITERATIONS", 1)
+            m.setattr(bisection, "COLD_MAX_ITERATIONS", 1)
             statuses.clear()
-            cut = guided.lowest_peak_search(g)
-            assert statuses == ["limit"]
-            m.setattr(guided, "_cold_at", lambda gr, best, peak, budget: best)
-            hot = guided.lowest_peak_search(g)
+            cut = bisection.lowest_peak_search(g)
+            assert statuses == []  # the first probe's LP, from nothing too, went over the limit: no cold read
+            m.setattr(bisection, "_cold_at", lambda gr, best, peak, budget: best)
+            hot = bisection.lowest_peak_search(g)
+            peak = simulate(g, hot[0]).peak_bytes
+            assert real_cold(g, hot[0], peak, peak) == hot[0] and statuses == ["limit"]  # the read itself stops
         assert cut[0] == hot[0] and cut[1] == hot[1] == full[1]
         assert simulate(g, full[0]).peak_bytes == simulate(g, cut[0]).peak_bytes
-    assert guided._cold_at is real_cold
+    assert bisection._cold_at is real_cold
+
+
+def test_the_first_probe_is_solved_with_the_next_where_it_finds_no_plan(monkeypatch):
+    """FirstProbes: on a large relaxation (the size forced here), with two CPUs, the first probe's
+    LP (from nothing, the costliest) is solved at once with the LP of the probe that follows where
+    it finds no plan, on a second BudgetProbe in another thread; that probe then reads it, with no
+    LP solved again; the search is deterministic. Not paired below the size, on one CPU, or when
+    the caller says so (HiGHS on more threads)."""
+    import threading
+
+    from remat.solver.checkmate import peak_bisection as bisection
+    from remat.solver.checkmate.relaxation import Relaxation
+
+    g = random_dag(30, 1)
+    real = bisection.BudgetProbe.solve
+    log = []
+
+    def spy(self, budget):
+        sol = real(self, budget)
+        log.append((id(self), budget, threading.current_thread() is threading.main_thread(), sol))
+        return sol
+
+    monkeypatch.setattr(bisection.BudgetProbe, "solve", spy)
+    monkeypatch.setattr(bisection, "_cpus", lambda: 2)
+    alone = bisection.lowest_peak_search(g)
+    assert log and all(main for _, _, main, _ in log)  # under PAIR_MIN_VARIABLES: one probe after another
+    monkeypatch.setattr(bisection, "PAIR_MIN_VARIABLES", 0)
+    runs = []
+    for paired, cpus in ((True, 2), (True, 2), (False, 2), (True, 1)):
+        log.clear()
+        monkeypatch.setattr(bisection, "_cpus", lambda: cpus)
+        runs.append((bisection.lowest_peak_search(g, paired=paired), list(log)))
+    (first, log2), (again, _), (unpaired, log3), (one_cpu, log4) = runs
+    assert first == again  # deterministic
+    assert unpaired == one_cpu == alone and all(main for _, _, main, _ in log3 + log4)
+    (p1, b1, main1, _), (p2, b2, main2, ahead) = sorted(log2[:2], key=lambda e: not e[2])
+    assert main1 and not main2 and p1 != p2 and b1 < b2  # the first probe, and the next one ahead
+    assert [b for _, b, _, _ in log3[:2]] == [b1, b2]  # one after another too: the first found no plan
+    # and the next probe read the LP solved ahead, not solved again
+    assert b2 not in [b for _, b, _, _ in log2[2:]]
+    assert ahead.objective == pytest.approx(Relaxation(g, b2).model.solve().objective, rel=1e-7)
+    peak = simulate(g, first[0]).peak_bytes
+    assert first[1] <= peak and first[1] == alone[1]

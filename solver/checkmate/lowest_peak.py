@@ -6,7 +6,7 @@ coarse graphs the min-peak MILP (the budget rows become M >= U[t,k] + workspace 
 minimise M), each with its peak then lowered by local moves (solver/checkmate/peak_relief.py), and
 where those stay more than CLOSE_TO_FLOOR above the rows' floor the rows' low-peak schedule
 (solver/checkmate/peak_rows.py `lowest_peak_by_rows`), relieved too, and the relaxation's
-(solver/checkmate/guided.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the
+(solver/checkmate/peak_bisection.py `lowest_peak_search`; on graphs over RELAXATION_MAX_NODES nodes the
 rows' alone, not relieved where within DESCEND_GAP of the floor); on graphs up to DESCEND_MAX_NODES
 nodes the certified search then tries to go lower. Every plan found on the way that no other beats
 on both peak and extra cost is kept with it: where solve's own candidates do not fit a budget, the
@@ -34,7 +34,7 @@ from remat.solver.checkmate.milp import milp_gate, min_peak_plan
 from remat.solver.checkmate.milp_attempts import cut_to_deadline, make_limits, warn_fallback
 from remat.solver.checkmate.milp_stages import DEFAULT_COARSEN_TO, coarse_graph
 from remat.solver.checkmate.certified_search import RELAXATION_MAX_NODES, certified_search
-from remat.solver.checkmate.guided import lowest_peak_search
+from remat.solver.checkmate.peak_bisection import lowest_peak_search
 from remat.solver.checkmate.peak_relief import MAX_ROUNDS, relieve_peak
 from remat.solver.checkmate.peak_rows import lowest_peak_by_rows, peak_floor
 from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
@@ -162,7 +162,8 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
             rounds = min(ROWS_RELIEF_ROUNDS, ROWS_RELIEF_STEPS // max(len(rows[2].schedule), 1))
             cands.append(_relieved(graph, *rows, max_rounds=rounds))
             probes: list = []
-            sched, bound = lowest_peak_search(graph, floor=bound, fitted=probes)
+            # the first probes two at a time only with HiGHS on one thread per solve (solving.at_once)
+            sched, bound = lowest_peak_search(graph, floor=bound, fitted=probes, paired=limits.threads == 1)
             seen += [("relaxation (a probe)", p) for p in probes]
             guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
             seen.append((_SOURCES["relaxation"], guided.schedule))
