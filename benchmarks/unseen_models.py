@@ -19,7 +19,8 @@ called with expanded tensors), BLIP (returns one tensor twice) and ViLT (planned
 returns its logits), then the four slowest solves of the architectures tried with those (DPT's
 dense-prediction head, Zamba2, Pegasus-X, Swin2SR), then TimeSeriesTransformer and FlauBERT (LayerDrop,
 planned block by block; FlauBERT also writes into its blocks' outputs in place), then the slowest of a third
-round (GroupViT, planned block by block, xLSTM, DeepSeek-V2): small configs (width 64, 2-3 layers,
+round (GroupViT, planned block by block, xLSTM, DeepSeek-V2), then Jamba (Mamba, attention and mixtures of
+experts: its over-budget steps one run) from a fourth: small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -258,6 +259,12 @@ def _models() -> dict:
             **common, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
             moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, pad_token_id=0)), lm),
+        # a fourth round's find: Mamba layers (the PyTorch scan) with an attention layer and mixtures of
+        # experts; 1,216 nodes whose over-budget steps form one run, where no MILP of several rows was built
+        "jamba": lambda: (tf.JambaForCausalLM(tf.JambaConfig(
+            **{**common, "num_hidden_layers": 4}, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2, mamba_d_state=8,
+            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, pad_token_id=0)), lm),
     }
 
 
@@ -269,7 +276,7 @@ MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mam
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
           "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet",
           "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert", "groupvit",
-          "xlstm", "deepseek_v2")
+          "xlstm", "deepseek_v2", "jamba")
 
 
 def _loss(out):

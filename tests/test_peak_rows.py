@@ -561,6 +561,32 @@ def test_the_runs_of_smallest_bound_are_left_out_over_the_variable_limit(monkeyp
     assert capped.bound < full.bound and capped.bound <= optimum + 1e-9
 
 
+@pytest.mark.parametrize("n, seed, budget", [(8, 8, 69), (9, 2, 86), (10, 1, 86)])
+def test_where_no_rows_are_solved_together_the_rounds_go_on_from_the_single_rows_milp(n, seed, budget, monkeypatch):
+    """Where no MILP of several rows is built (one run of over-budget steps: here MULTI_MAX_ROWS 1),
+    the rounds go on from the single row's MILP of largest bound (Jamba at half its activation
+    memory, one run of 686 steps: gap 11.2% -> 0.01%): the rows its plan misses are added, and the
+    rounds prove the brute force's optimum where single rows cannot."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 1)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    assert first.bound < optimum * (1 - 1e-3)
+    milps = [s for s in first.details["solves"] if s["integral"]]
+    assert milps and all(s["rows"] == 1 for s in milps)
+    seed_milp = max((s for s in milps if "plan_extra_cost" in s), key=lambda s: s["bound"])
+    assert first.together is not None and len(first.together[0]) == 1
+    assert first.together[2] == seed_milp["iterations"]
+    more = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
+    assert more.details["solves"] and more.details["solves"][0]["rows"] == 2
+    assert optimum * (1 - 1e-4) <= more.bound <= optimum + 1e-9
+    if more.schedule is not None:
+        assert simulate(g, more.schedule).peak_bytes <= budget and more.extra_cost >= optimum - 1e-9
+
+
 def test_chain_cost_counts_the_values_a_recomputation_needs_that_are_not_live():
     from remat.solver.checkmate.guided import chain_cost
 

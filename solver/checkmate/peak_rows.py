@@ -4,7 +4,8 @@ Each row's model (solver/checkmate/row_models.py) bounds the extra cost of every
 first computations follow the graph's order, and the largest over the rows is a bound too.
 `peak_rows_search` solves them in stages of growing cost, stopping once a plan is within the gap
 asked for: the LPs of single rows (up to MAX_ROWS), the MILPs of the SINGLE_MILPS rows of largest
-LP bound, then the MILP of one row per run of consecutive over-budget steps together.
+LP bound, then the MILP of one row per run of consecutive over-budget steps together; rounds then
+add the rows a plan misses (`more_rows_from`).
 
 A plan: a row MILP's solution read as drops (before each row, every node it computes again after
 the row and every item it does not hold forgotten, each computed again where it is next read:
@@ -64,7 +65,11 @@ MULTI_MAX_ROWS = 12
 # HiGHS's root LP alone had not finished after 120 s (the solve sat there for over 20 minutes).
 MULTI_MAX_VARIABLES = 12_000
 # Where the certified search leaves a large gap (solver/checkmate/certify.py), the rows' search goes on
-# from its several rows' MILP: the row where that MILP's plan, as read, is furthest over the budget is
+# from its several rows' MILP (where none was built, one run of over-budget steps or every run but one
+# left out over MULTI_MAX_VARIABLES, from the single row's MILP of largest bound: Jamba at half its
+# activation memory, 1,216 nodes in one run of 686 steps, 7.007% extra with a gap of 11.2% -> 6.340%,
+# optimal, 0.7 -> 1.9 s; ALBERT, RemBERT, StableLM gaps 0.8-2.5% -> 0.0%, DeBERTa-v2 1.5% -> 0.9%;
+# benchmarks/results/certificates.txt): the row where that MILP's plan, as read, is furthest over the budget is
 # added (GENERATION_NEW_ROWS), and the MILP solved again, up to GENERATION_ROUNDS times while the gap
 # is over the caller's `rounds_gap`, where it has GENERATION_MAX_VARIABLES variables or fewer (a work
 # limit: HiGHS's root alone, not its branching, takes the time). One row a round, not three: at half the
@@ -127,7 +132,9 @@ class PeakRowsResult:
     schedule: list[str] | None
     extra_cost: float
     details: dict = field(default_factory=dict)
-    together: tuple | None = None  # the last several rows' MILP (rows' steps, drops, simplex iterations), to go on from
+    # the MILP the rounds go on from (rows' steps, drops, simplex iterations): the last several rows', or where
+    # none was built, the single row's of largest bound
+    together: tuple | None = None
 
 
 def _chosen_rows(rows: list[Row], limit: int) -> list[Row]:
@@ -400,9 +407,14 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         single.append((out[0], w))
         if bound_only and done():  # the bound reached the incumbent: nothing more to prove
             return result()
+    seed = None  # the single row's MILP of largest bound with a plan: the rounds go on from it where no
+    # MILP of several rows is built below
     for _, w in sorted(single, key=lambda bw: -bw[0])[:SINGLE_MILPS]:
-        if run([w], True) is None:
+        out = run([w], True)
+        if out is None:
             return PeakRowsResult(math.inf, None, math.inf, details)
+        if out[1] is not None and (seed is None or out[0] > seed[0]):
+            seed = (out[0], (w.step,), out[1], solves[-1]["iterations"])
         if done():
             return result()
     lp_bound = {w.step: b for b, w in single}
@@ -417,6 +429,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         details["runs_left_out"] = f"{over}: {len(per_run) if rm is not None else 'none'} solved together"
     if rm is not None and run(per_run, True, rm) is None:
         return PeakRowsResult(math.inf, None, math.inf, details)
+    if "together" not in found and seed is not None:
+        found["together"] = seed[1:]
     return result()
 
 
