@@ -20,7 +20,8 @@ returns its logits), then the four slowest solves of the architectures tried wit
 dense-prediction head, Zamba2, Pegasus-X, Swin2SR), then TimeSeriesTransformer and FlauBERT (LayerDrop,
 planned block by block; FlauBERT also writes into its blocks' outputs in place), then the slowest of a third
 round (GroupViT, planned block by block, xLSTM, DeepSeek-V2), then Jamba (Mamba, attention and mixtures of
-experts: its over-budget steps one run) from a fourth: small configs (width 64, 2-3 layers,
+experts: its over-budget steps one run) from a fourth, then LLaVA and PaliGemma (vision-language models,
+which check their image-token counts) from a fifth: small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -115,6 +116,33 @@ def _models() -> dict:
         m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2))
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return m, lm
+
+    def image_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:  # n image tokens (id V - 1) first, their labels -100
+        x = ids % (V - 2) + 1
+        x[:, :n] = V - 1
+        return x, x.masked_fill(x == V - 1, -100)
+
+    def llava():  # a CLIP tower (16 patches) and a Llama decoder
+        m = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
+            vision_config=tf.CLIPVisionConfig(hidden_size=W, intermediate_size=2 * W, num_hidden_layers=2,
+                                              num_attention_heads=4, image_size=32, patch_size=8),
+            text_config=tf.LlamaConfig(**common, num_key_value_heads=2, pad_token_id=0), image_token_index=V - 1,
+            vision_feature_layer=-1))
+        x, labels = image_tokens(16)
+        return m, dict(input_ids=x, pixel_values=pics["pixel_values"], labels=labels, use_cache=False)
+
+    def paligemma():  # a SigLIP tower (16 patches) and a Gemma decoder
+        m = tf.PaliGemmaForConditionalGeneration(tf.PaliGemmaConfig(
+            vision_config=dict(model_type="siglip_vision_model", hidden_size=W, intermediate_size=2 * W,
+                               num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
+                               projection_dim=W),
+            text_config=dict(model_type="gemma", vocab_size=V, hidden_size=W, intermediate_size=2 * W,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                             max_position_embeddings=S, pad_token_id=0),
+            image_token_index=V - 1, projection_dim=W, hidden_size=W))
+        x, labels = image_tokens(16)
+        return m, dict(input_ids=x, pixel_values=pics["pixel_values"], labels=labels,
+                       token_type_ids=(x != V - 1).long(), use_cache=False)
 
     def videomae():
         m = tf.VideoMAEForVideoClassification(tf.VideoMAEConfig(
@@ -265,6 +293,10 @@ def _models() -> dict:
             **{**common, "num_hidden_layers": 4}, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
             expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2, mamba_d_state=8,
             mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, pad_token_id=0)), lm),
+        # a fifth round's: vision-language models, which check their image-token count (a tensor check,
+        # kept in the traced step as an assert: graph_capture/tensor_checks.py; block by block before)
+        "llava": llava,
+        "paligemma": paligemma,
     }
 
 
@@ -276,7 +308,7 @@ MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mam
           "convbert", "squeezebert", "videomae", "blenderbot_small", "data2vec_vision", "led", "lstm",
           "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet",
           "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert", "groupvit",
-          "xlstm", "deepseek_v2", "jamba")
+          "xlstm", "deepseek_v2", "jamba", "llava", "paligemma")
 
 
 def _loss(out):

@@ -78,6 +78,7 @@ def _export(stack: ExitStack, model: nn.Module, step, flat: list, fused_attentio
     from remat.attention.router import route_attention
     from remat.graph_capture.autocast_state import AutocastState, backward_traced_as_eager, step_device_types
     from remat.graph_capture.hf_compat import traced_as_compiled
+    from remat.graph_capture.tensor_checks import checks_kept_in_graph
     from remat.loss_head.router import route_loss_head
 
     tracing = Stage("tracing the training step (forward and backward)", None, "it")
@@ -91,6 +92,8 @@ def _export(stack: ExitStack, model: nn.Module, step, flat: list, fused_attentio
         # autocast it was traced in, the backward without any (autocast_state.py)
         autocast = AutocastState.current(step_device_types(model, flat))
         stack.enter_context(traced_as_compiled())
+        # a tensor check of the model's (an image-token count) stays in the graph, run every call
+        stack.enter_context(checks_kept_in_graph())
         stack.enter_context(backward_traced_as_eager())
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         # from an empty fake-tensor cache (fresh_fake_tensor_cache says why): a module's first

@@ -396,3 +396,44 @@ def test_a_forward_drawing_from_pythons_rng_is_not_frozen_into_the_plan():
         random.seed(3)
         losses.append([call(x).item() for _ in range(6)])
     assert losses[0] == losses[1] and len(set(losses[0])) > 1
+
+
+class _CheckedTokens(nn.Module):
+    """Checks a fact about its input's values as library code does (torch._check_tensor_all: an
+    image-token count, here that every mark is non-negative), then computes from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x, marks):
+        torch._check_tensor_all((marks >= 0).all())
+        h = torch.tanh(self.a(x)) * (marks.unsqueeze(-1) + 1)
+        return torch.sigmoid(self.b(h)).sum()
+
+
+def test_a_tensor_check_of_the_model_stays_in_the_traced_step_and_runs_every_call():
+    """The check reads a value a fake tensor does not have: traced, it becomes an assert op of the
+    graph (graph_capture/tensor_checks.py), so the whole step is planned with eager's loss and
+    gradients, and a later batch that breaks it still fails, in the planned step."""
+    torch.manual_seed(0)
+    model = _CheckedTokens()
+    x, marks = torch.randn(64, 16), torch.randint(0, 3, (64,)).float()
+    opt = remat.optimize(model, budget_gb=1, example_inputs=(x, marks), quiet=True)
+    assert isinstance(opt, remat.RematModule)
+    assert any(n.op.startswith("_assert_async") for n in opt.graph.nodes)
+    for batch in ((x, marks), (torch.randn(64, 16), torch.randint(0, 3, (64,)).float())):
+        ref = model(*batch)
+        ref.backward()
+        want = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        got = opt(*batch)
+        got.backward()
+        assert torch.allclose(got, ref) and all(torch.allclose(p.grad, w) for p, w in zip(model.parameters(), want))
+        model.zero_grad()
+    bad = marks.clone()
+    bad[5] = -1.0
+    with pytest.raises(RuntimeError):
+        model(x, bad)
+    with pytest.raises(RuntimeError, match="tensor check of the model failed"):
+        opt(x, bad)

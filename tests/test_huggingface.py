@@ -215,3 +215,41 @@ def test_a_causal_lm_without_attention_mask_traces_no_mask_where_hugging_face_sk
     padded = hf_batch("llama")
     g = remat.capture(model, (), padded, quiet=True)
     assert any("scaled_dot_product" in n.op for n in g.nodes)
+
+
+def test_a_vision_language_model_checking_its_image_tokens_is_traced_whole():
+    """LLaVA checks that a batch holds as many image tokens as its vision tower gives features
+    (torch_compilable_check, a tensor check under the compile flag): the check stays in the traced
+    step (graph_capture/tensor_checks.py), so the whole step is planned, not block by block, trains
+    with eager's loss and gradients, and a batch with an image token missing still fails."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=16, patch_size=8)
+    text = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                          num_key_value_heads=1, num_hidden_layers=2, max_position_embeddings=32, pad_token_id=0)
+    model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(vision_config=vision, text_config=text,
+                                                             image_token_index=63, vision_feature_layer=-1))
+    model.train()
+    ids = torch.randint(1, 60, (2, 16))
+    ids[:, :4] = 63  # the four patches' tokens
+    batch = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16), labels=ids.masked_fill(ids == 63, -100),
+                 use_cache=False)
+    model(**batch).loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]  # not the vision tower's unread last norm
+    ref, _, _ = _loss_grads_logits(model, params, batch)
+    keep = remat.optimize(model, example_inputs=(), example_kwargs=batch, solver="keep_all", quiet=True)
+    assert isinstance(keep, remat.RematModule)
+    assert any(n.op.startswith("_assert_async") for n in keep.graph.nodes)
+    floor = keep.graph.resident_bytes + sum(v.kept_bytes for v in keep.graph.nodes)
+    budget = int(floor + 0.5 * (keep.plan.predicted_peak_bytes - floor))
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=(), example_kwargs=batch, quiet=True)
+    got, _, _ = _loss_grads_logits(opt, params, batch)
+    _assert_close(got, ref)
+    bad = dict(batch, input_ids=ids.clone())
+    bad["input_ids"][0, 0] = 5
+    with pytest.raises(ValueError):
+        model(**bad)
+    with pytest.raises(RuntimeError, match="tensor check of the model failed"):
+        opt(**bad)
