@@ -45,6 +45,9 @@ Entry points (what each is for):
   FlopCounterMode then saw 0 FLOPs for Hugging Face's enable_gqa attention);
 * `fake_tensor_mode()`, `is_fake(t)`: a FakeTensorMode (tensors with shapes, dtypes and devices but no
   data) to trace and plan a step without its memory, and whether a tensor is one of its fakes;
+* `tensor_checks_as_asserts(message)`: while a step is traced, `torch._check_tensor_all` on a fake
+  tensor records `torch._assert_async` (an op of the graph, run on each call's values) instead of
+  reading the value a fake tensor does not have (graph_capture/tensor_checks.py);
 * `fresh_fake_tensor_cache()`: empty the fake tensors' dispatch cache, so that a trace starting
   after it meets the cache as every trace of the same module does (a cached output of an op that
   returns a view into a larger storage is a fresh storage of the view's size: a module's second
@@ -70,7 +73,8 @@ __all__ = ["TESTED_TORCH", "count_grouped_query_attention", "rnn_dropout_between
            "allow_retained_backward", "backward_keeps_graph",
            "is_input_mutation_output", "aot_backward_node", "tangent_output", "compile_session", "profiler_events", "profiler_allocations",
            "profiler_enabled", "compiled_submodules",
-           "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake", "fresh_fake_tensor_cache"]
+           "inductor_compile", "clear_cublas_workspaces", "fake_tensor_mode", "is_fake", "fresh_fake_tensor_cache",
+           "tensor_checks_as_asserts"]
 
 # The torch releases the tests of this module passed on (pyproject pins the same range).
 TESTED_TORCH = ((2, 13),)
@@ -367,6 +371,29 @@ def is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
     return isinstance(t, torch.Tensor) and bool(_is_fake(t))
+
+
+@contextmanager
+def tensor_checks_as_asserts(message: str) -> Iterator[None]:
+    """While held, `torch._check_tensor_all(cond)` (and `torch._check_tensor_all_with`) on a fake
+    tensor records `torch._assert_async(cond.all(), message)`, an op of the traced graph (torch.fx
+    keeps it: side-effecting) that raises RuntimeError with `message` where a call's values break
+    it, instead of reading `cond`'s value (`.item()`: a DataDependentOutputException on a fake
+    tensor). A check on any other tensor runs as torch runs it. torch._check_tensor_all calls
+    torch._check_tensor_all_with through torch's module globals, so replacing that one covers both."""
+    original = torch._check_tensor_all_with
+
+    def check(error_type, cond, message_fn=None):
+        if isinstance(cond, torch.Tensor) and cond.dtype == torch.bool and is_fake(cond):
+            torch._assert_async(cond.all(), message)
+            return
+        original(error_type, cond, message_fn)
+
+    torch._check_tensor_all_with = check
+    try:
+        yield
+    finally:
+        torch._check_tensor_all_with = original
 
 
 def count_grouped_query_attention() -> bool:

@@ -4,6 +4,7 @@ One test per entry point, each on the smallest case that exercises it. A failure
 installed torch changed that API: the message names the torch version and the entry point, so the
 fix goes to compat/torch_private.py (and the pin in pyproject.toml), not to the callers.
 """
+import pytest
 import torch
 import torch.nn as nn
 from functorch.compile import make_boxed_func
@@ -320,3 +321,21 @@ def test_rnn_decompositions_apply_dropout_between_layers():
     second_on_zeros = run(0.0, torch.zeros(3, 2, 4), 1, weights[4:])
     torch.testing.assert_close(run(1.0), second_on_zeros)
     assert not torch.allclose(run(0.0), second_on_zeros)
+
+
+def test_tensor_checks_as_asserts_records_an_assert_on_fakes_and_checks_real_tensors():
+    with tp.fake_tensor_mode() as mode:
+        cond = mode.from_tensor(torch.tensor([True, False]))
+        with tp.tensor_checks_as_asserts("kept"):
+            torch._check_tensor_all(cond)  # no value read: the fake's assert records nothing to fail
+    with tp.tensor_checks_as_asserts("kept"), pytest.raises(RuntimeError):
+        torch._check_tensor_all(torch.tensor([True, False]))  # a real tensor: checked as torch checks it
+    graph = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda t: (torch._check_tensor_all(t > 0), t * 2)[1], tracing_mode="fake")
+    with tp.tensor_checks_as_asserts("kept"):
+        gm = graph(torch.ones(3))
+    assert any("_assert_async" in str(n.target) for n in gm.graph.nodes), \
+        _fail("tensor_checks_as_asserts", "no _assert_async op in the traced graph")
+    with pytest.raises(RuntimeError, match="kept"):
+        gm(-torch.ones(3))
+    assert torch._check_tensor_all_with.__module__ == "torch"  # put back
