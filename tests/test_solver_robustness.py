@@ -371,7 +371,7 @@ def test_root_lp_stopped_by_its_limit_proves_nothing(monkeypatch):
     _fits(g, plan, budget)
     assert plan.details["certify"]["stopped_by"] == "root LP limit"
     assert plan.details["certify"]["bound"] == 0  # the certified search proved nothing ...
-    rows_bound = _rows_bound(plan.details)  # ... so the bound is the rows' alone
+    rows_bound = _rows_bound(plan.details)  # ... so the bound is the rows' (with their rounds')
     assert plan.lower_bound == pytest.approx(min(rows_bound, plan.extra_cost), rel=1e-12)
     assert plan.details["bound_source"].startswith("peak rows" if rows_bound > 0 else "none")
 
