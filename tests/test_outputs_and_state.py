@@ -426,3 +426,61 @@ def test_keep_all_never_peaks_above_the_model_as_it_is(make):
     assert planned <= eager, (planned, eager)
     if not isinstance(model, KwargsNet):  # a single loss: the prediction is the measured peak
         assert opt.plan.predicted_peak_bytes <= eager
+
+
+class _MomentumTarget(nn.Module):
+    """A momentum-target model (BYOL, DINO, MoCo): the forward updates a frozen target network from
+    the online one in place under no_grad, and a running scale buffer that the trained path then
+    reads, before computing the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+        self.pred = nn.Linear(32, 32)
+        self.target = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+        self.target.load_state_dict(self.online.state_dict())
+        self.target.requires_grad_(False)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x1, x2):
+        with torch.no_grad():
+            for t, o in zip(self.target.parameters(), self.online.parameters()):
+                t.mul_(0.9).add_(o, alpha=0.1)
+            self.scale.mul_(0.5).add_(x1.abs().mean(), alpha=0.5)
+        p = self.pred(self.online(x1 / self.scale))
+        with torch.no_grad():
+            z = self.target(x2)
+        return (F.normalize(p, dim=-1) - F.normalize(z, dim=-1)).pow(2).sum(-1).mean()
+
+
+def test_a_momentum_target_updated_in_the_forward_trains_as_eager_with_recomputation():
+    """The in-place updates of the frozen target and of the buffer happen once per planned step, as
+    in eager, and the trained path reads the updated buffer, under a budget that makes the plan
+    recompute: losses, gradients, targets and buffer as eager's over four optimizer steps."""
+    torch.manual_seed(0)
+    ref = _MomentumTarget()
+    model = _MomentumTarget()
+    model.load_state_dict(ref.state_dict())
+    batches = [(torch.randn(64, 32), torch.randn(64, 32)) for _ in range(4)]
+    keep = remat.optimize(model, example_inputs=batches[0], solver="keep_all", quiet=True)
+    g = keep.graph
+    floor = g.resident_bytes + sum(v.kept_bytes for v in g.nodes)
+    budget = int(floor + 0.4 * (keep.plan.predicted_peak_bytes - floor))
+    opt = remat.optimize(model, budget_bytes=budget, example_inputs=batches[0], quiet=True)
+    assert opt.plan.extra_cost > 0  # something is recomputed
+    assert torch.equal(model.scale, ref.scale)  # planning ran no update
+    sgd_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x1, x2 in batches:
+        want = ref(x1, x2)
+        want.backward()
+        grads = [p.grad.clone() for p in ref.parameters() if p.grad is not None]
+        got = opt(x1, x2)
+        got.backward()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip([p.grad for p in model.parameters() if p.grad is not None], grads):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        sgd_ref.step(), sgd.step(), sgd_ref.zero_grad(), sgd.zero_grad()
+        assert torch.allclose(model.scale, ref.scale)
+        for a, b in zip(model.target.parameters(), ref.target.parameters()):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
