@@ -16,6 +16,7 @@ from remat.core import progress
 from remat.core.training_graph import TrainingGraph
 from remat.solver import get_options, get_solver
 from remat.core.plan import LOWEST_PEAK, InfeasibleBudgetError, Plan
+from remat.solver.checkmate.peak_bisection import sharing_cpus
 from remat.validate import check_solve_args
 
 __all__ = ["solve", "smallest_feasible", "known_smallest_feasible", "smallest_feasible_of_each", "at_once",
@@ -91,9 +92,15 @@ def at_once(calls: dict[Any, Callable[[], Any]], solver_kwargs: dict, workers: i
     (backends.py), which is not safe while another thread solves; otherwise one after the other."""
     if len(calls) < 2 or solver_kwargs.get("threads", 1) != 1:
         return {k: call() for k, call in calls.items()}
-    pool = ThreadPoolExecutor(min(workers, len(calls)), thread_name_prefix="remat-solve")
+    n = min(workers, len(calls))
+    pool = ThreadPoolExecutor(n, thread_name_prefix="remat-solve")
+
+    def beside(call: Callable[[], Any]) -> Any:
+        with sharing_cpus(n):  # a search's first probes are not paired where the CPUs are taken
+            return call()
+
     try:
-        futures = {k: pool.submit(contextvars.copy_context().run, call) for k, call in calls.items()}
+        futures = {k: pool.submit(contextvars.copy_context().run, beside, call) for k, call in calls.items()}
         return {k: f.result() for k, f in futures.items()}
     finally:
         # not waited for: an interrupt (Ctrl+C) or a search's error returns at once, the other

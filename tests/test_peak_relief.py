@@ -300,3 +300,55 @@ def test_the_first_probe_is_solved_with_the_next_where_it_finds_no_plan(monkeypa
     assert ahead.objective == pytest.approx(Relaxation(g, b2).model.solve().objective, rel=1e-7)
     peak = simulate(g, first[0]).peak_bytes
     assert first[1] <= peak and first[1] == alone[1]
+
+
+def test_searches_run_at_once_do_not_pair_their_first_probes(monkeypatch):
+    """A search running beside others on the same CPUs (solving.at_once runs the loss heads'
+    searches in threads) does not pair its first probes where that leaves it fewer than two CPUs of
+    its own: four LPs on two cores took longer than two after two. Nested, the counts multiply."""
+    import threading
+
+    from remat.solver.checkmate import peak_bisection as bisection
+    from remat.solving import at_once
+
+    g = random_dag(30, 1)
+    real = bisection.BudgetProbe.solve
+    names = []
+
+    def spy(self, budget):
+        names.append(threading.current_thread().name)
+        return real(self, budget)
+
+    monkeypatch.setattr(bisection.BudgetProbe, "solve", spy)
+    monkeypatch.setattr(bisection, "PAIR_MIN_VARIABLES", 0)
+    unpaired = bisection.lowest_peak_search(g, paired=False)
+
+    def probe_threads(cpus, run):
+        names.clear()
+        monkeypatch.setattr(bisection, "_cpus", lambda: cpus)
+        found = run()
+        return found, {n.split("_")[0] for n in names}
+
+    paired, threads = probe_threads(2, lambda: bisection.lowest_peak_search(g))
+    assert "remat-probe" in threads  # alone on two CPUs: paired
+
+    def beside():
+        with bisection.sharing_cpus(2):
+            return bisection.lowest_peak_search(g)
+
+    found, threads = probe_threads(2, beside)
+    assert found == unpaired and threads == {"MainThread"}
+    both, threads = probe_threads(2, lambda: at_once({0: lambda: bisection.lowest_peak_search(g),
+                                                      1: lambda: bisection.lowest_peak_search(g)}, {}))
+    assert both == {0: unpaired, 1: unpaired} and threads == {"remat-solve"}
+    both, threads = probe_threads(4, lambda: at_once({0: lambda: bisection.lowest_peak_search(g),
+                                                      1: lambda: bisection.lowest_peak_search(g)}, {}))
+    assert both == {0: paired, 1: paired} and "remat-probe" in threads  # two CPUs each
+
+    def nested():
+        with bisection.sharing_cpus(2):
+            return beside()
+
+    found, threads = probe_threads(4, nested)
+    assert found == unpaired and threads == {"MainThread"}
+    assert bisection._SHARING.get() == 1  # every count is restored

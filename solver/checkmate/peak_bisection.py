@@ -7,15 +7,19 @@ between them are probed by bisection, each with the cost relaxation's LP there (
 hot-started from the last probe's basis) and plans read off its solution (guided.py). The first
 probe's LP, from nothing, costs the most (Mamba2, 888 nodes: 27-30 s of the search's 72), and where
 it finds no plan the next probe is known before it ends: on large relaxations the two are solved at
-once, in two threads (`FirstProbes`). The last fitting probe's LP is read again from nothing for a
+once, in two threads (`FirstProbes`), where the search has two CPUs of its own (not where it runs
+beside another: `sharing_cpus`). The last fitting probe's LP is read again from nothing for a
 cheaper plan (`_cold_at`), except where the first probe's LP went over that read's work limit: there
 the read stops at the limit with nothing. Mamba2's smallest budget: 72 -> 54 s, the same budget
 (benchmarks/results/smallest_budget.txt).
 """
 from __future__ import annotations
 
+import contextvars
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from remat.core.simulator import simulate
 from remat.core.training_graph import TrainingGraph
@@ -23,8 +27,8 @@ from remat.solver.checkmate.guided import best_guided, drops_at, fit, schedule_f
 from remat.solver.checkmate.relaxation import SAFETY, Relaxation
 from remat.solver.checkmate.sparse_lp import HotLP, Solution
 
-__all__ = ["lowest_peak_search", "BudgetProbe", "FirstProbes", "PROBE_MAX_VARIABLES", "PEAK_RESOLUTION",
-           "COLD_MAX_ITERATIONS", "PAIR_MIN_VARIABLES"]
+__all__ = ["lowest_peak_search", "BudgetProbe", "FirstProbes", "sharing_cpus", "PROBE_MAX_VARIABLES",
+           "PEAK_RESOLUTION", "COLD_MAX_ITERATIONS", "PAIR_MIN_VARIABLES"]
 
 # lowest_peak_search probes budgets only on relaxations up to this many variables: the first
 # probe (the cost relaxation's LP at a budget, from nothing) takes 2-3 s at 36k variables
@@ -48,9 +52,32 @@ COLD_MAX_ITERATIONS = 30_000
 PAIR_MIN_VARIABLES = 60_000
 
 
+# how many searches this one runs beside, itself included (`sharing_cpus`)
+_SHARING: contextvars.ContextVar[int] = contextvars.ContextVar("remat_searches_sharing_cpus", default=1)
+
+
+@contextmanager
+def sharing_cpus(searches: int) -> Iterator[None]:
+    """Within: this search runs beside others, `searches` in all, on the same CPUs (remat/solving.py
+    `at_once` runs a call's searches in threads; nested, the counts multiply). The first probes are
+    paired only where each search has two CPUs of its own: Mamba2's and Funnel's two loss heads,
+    searched at once on 2 cores with their first probes paired, ran four LPs on two cores and took
+    86 s and 38 s to find their smallest budgets, 76 s and 31 s unpaired (the same budgets)."""
+    token = _SHARING.set(_SHARING.get() * max(1, searches))
+    try:
+        yield
+    finally:
+        _SHARING.reset(token)
+
+
 def _cpus() -> int:
     """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _cpus_per_search() -> int:
+    """The CPUs this search may count as its own: the process's, shared with the searches beside it."""
+    return _cpus() // _SHARING.get()
 
 
 class BudgetProbe:
@@ -75,7 +102,7 @@ class BudgetProbe:
 
 class FirstProbes:
     """The probes' LPs for lowest_peak_search. On a relaxation of PAIR_MIN_VARIABLES or more, with
-    two CPUs and HiGHS on one thread per solve (`paired`), the first one (from nothing, the
+    two CPUs of its own (`sharing_cpus`) and HiGHS on one thread per solve (`paired`), the first one (from nothing, the
     costliest) is solved together with the probe that follows it where it finds no plan, on a
     second BudgetProbe in another thread (HiGHS lets go of the GIL while it solves); every other
     one on the BudgetProbe that solved the last probe used, from its basis. Deterministic: both
@@ -149,7 +176,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
             best, best_peak, best_drops = sched, peak, drops
     if probes is None:
         probes = 0 if rel.model.num_vars > PROBE_MAX_VARIABLES else 16
-    lps = FirstProbes(graph, best_peak, paired and rel.model.num_vars >= PAIR_MIN_VARIABLES and _cpus() >= 2)
+    pair = paired and rel.model.num_vars >= PAIR_MIN_VARIABLES and _cpus_per_search() >= 2
+    lps = FirstProbes(graph, best_peak, pair)
     lo, last = bound, None  # last: the last probe whose plan fitted, and its LP
     for _ in range(probes):
         # within the resolution only once a probe's plan fitted: a probe's plan prices recomputation
