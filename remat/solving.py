@@ -78,8 +78,8 @@ def smallest_feasible_of_each(graphs: dict, solver: str, time_limit_s: float | N
                               **solver_kwargs) -> dict:
     """smallest_feasible of each graph ({key: graph} -> {key: bytes}), the graphs searched at once
     (`at_once`): the two loss heads of Funnel (772 nodes) on this 2-core machine, 51 s one after the
-    other, 40 s at once. Each search is the one it would be alone (its work limits count simplex
-    iterations, not seconds)."""
+    other, 40 s at once. Each search is the one it would be alone on one CPU (its work limits count
+    simplex iterations, not seconds; its first probes are not paired: peak_bisection.sharing_cpus)."""
     return at_once({k: (lambda g=g: smallest_feasible(g, solver, time_limit_s, **solver_kwargs))
                     for k, g in graphs.items()}, solver_kwargs)
 
