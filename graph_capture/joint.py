@@ -34,6 +34,7 @@ from remat.graph_capture.export import TraceError, export_joint
 from remat.graph_capture.module_paths import annotate_module_paths
 from remat.graph_capture.outputs import OutputError, OutputStructure
 from remat.graph_capture.trace_failures import what_failed
+from remat.graph_capture.traced_state import traced_tensors_not_kept
 from remat.graph_capture.unreached_gradients import gradient_sources, leave_unreached_none
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "ParameterMismatchError", "DoubleBackwardError",
@@ -154,7 +155,11 @@ class _FlatStep(nn.Module):
 
     def forward(self, *tensors):
         args, kwargs = self.sig.unflatten(list(tensors))
-        return tuple(self.sig.record_outputs(self.model(*args, **kwargs)))
+        # each run of the forward while it is traced (AOTAutograd runs it twice: for the graph's
+        # metadata, then for the graph) starts from the model's own state, not from a cache the
+        # last run built of its tensors
+        with traced_tensors_not_kept(self.model):
+            return tuple(self.sig.record_outputs(self.model(*args, **kwargs)))
 
 
 def _state_of(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:

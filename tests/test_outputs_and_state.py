@@ -484,3 +484,56 @@ def test_a_momentum_target_updated_in_the_forward_trains_as_eager_with_recomputa
         assert torch.allclose(model.scale, ref.scale)
         for a, b in zip(model.target.parameters(), ref.target.parameters()):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _LazyRotary(nn.Module):
+    """Rotary tables built on first use and grown to the longest sequence seen, kept on the module
+    with the length they cover (custom code does this): a cache of tensors the forward stores."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+        self.cached_len, self.cos, self.sin = 0, None, None
+
+    def forward(self, x):
+        n = x.shape[1]
+        if n > self.cached_len:
+            f = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
+            emb = torch.cat([f, f], -1)
+            self.cos, self.sin, self.cached_len = emb.cos(), emb.sin(), n
+        x1, x2 = x.chunk(2, -1)
+        return x * self.cos[:n] + torch.cat([-x2, x1], -1) * self.sin[:n]
+
+
+class _WithLazyCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rot, self.a, self.b = _LazyRotary(16), nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(self.rot(x)))).pow(2).mean()
+
+
+def test_a_cache_of_tensors_the_forward_builds_on_a_module_is_not_kept_from_the_trace():
+    """A forward that builds a cache on a module (tensors and the length they cover) stores tensors
+    of the trace there. Left there, the trace's second run (AOTAutograd runs the forward twice) read
+    them and failed ("Unexpected fake buffer"), and the model was left holding them. Each traced run
+    starts from the model's own state: the plan computes the tables in its graph, trains as eager at
+    every sequence length, and the model is as it was, eager calls included."""
+    torch.manual_seed(0)
+    model = _WithLazyCache()
+    ref = _WithLazyCache()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 32, 16)
+    opt = remat.optimize(model, budget_gb=1, example_inputs=(x,), quiet=True)
+    assert model.rot.cos is None and model.rot.cached_len == 0  # as before the trace
+    for inp in (x, torch.randn(4, 16, 16), torch.randn(4, 48, 16)):
+        want = ref(inp)
+        want.backward()
+        got = opt(inp)
+        got.backward()
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+            a.grad = b.grad = None
+    assert torch.allclose(model(x), ref(x))  # the model itself, eagerly

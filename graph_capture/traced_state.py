@@ -1,0 +1,82 @@
+"""Tensors a model's forward stores on its modules while it is traced never stay there.
+
+A forward may keep a tensor on a module: a lazily built cache (rotary cos/sin tables grown to the
+longest sequence seen, with the length they cover), a recurrent state (RecurrentGemma's RG-LRU
+keeps its last one). Traced, the forward runs once on the trace's own tensors (fake or functional),
+so what it stores is a tensor of the trace, meaningless once the trace ends: left on the module, the
+next trace of the same model (the other loss head, a new batch shape) would read it as a constant of
+a dead trace and fail ("Unexpected fake buffer"), and the model itself, called eagerly again, would
+compute with it. So a module that holds, after the trace, a tensor it did not hold before (as an
+attribute, a buffer, a parameter, or inside a list, tuple or dict attribute) is put back as it was:
+its attributes, buffers, parameters and submodules, plain values too, since they describe that
+tensor (the cache's length). The planned step computes those values in its graph every call, as the
+forward did. Modules that stored no tensor keep what their forward set (a Python step counter):
+every call whose model state changed is traced again (runtime/call_state.py), as eager would run
+the forward again.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from remat.compat.torch_private import pytree
+
+__all__ = ["traced_tensors_not_kept"]
+
+_CONTAINERS = ("_parameters", "_buffers", "_modules")
+_MISSING = object()
+
+
+class _Saved:
+    """One module's state before a trace: its attributes (references) and its containers' entries."""
+
+    def __init__(self, module: nn.Module):
+        self.attrs = dict(vars(module))
+        self.entries = {name: dict(vars(module).get(name) or {}) for name in _CONTAINERS}
+        self.non_persistent = set(vars(module).get("_non_persistent_buffers_set", ()))
+
+    def changed(self, module: nn.Module) -> list:
+        """The values of `module` added or replaced since (attributes and containers' entries)."""
+        now = vars(module)
+        out = [v for k, v in now.items() if self.attrs.get(k, _MISSING) is not v]
+        for name in _CONTAINERS:
+            before = self.entries[name]
+            out += [v for k, v in (now.get(name) or {}).items() if before.get(k, _MISSING) is not v]
+        return out
+
+    def restore(self, module: nn.Module) -> None:
+        now = vars(module)
+        for k in [k for k in now if k not in self.attrs]:
+            del now[k]
+        now.update(self.attrs)
+        for name in _CONTAINERS:
+            container = now.get(name)
+            if container is not None:
+                container.clear()
+                container.update(self.entries[name])
+        if "_non_persistent_buffers_set" in now:
+            now["_non_persistent_buffers_set"].clear()
+            now["_non_persistent_buffers_set"].update(self.non_persistent)
+
+
+def _tensors(values: list) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+@contextmanager
+def traced_tensors_not_kept(model: nn.Module) -> Iterator[None]:
+    """Within: `model` is traced. After, every module that holds a tensor it did not hold before is
+    put back as it was (see the module docstring)."""
+    modules = list(model.modules())
+    saved = [_Saved(m) for m in modules]
+    held = {id(t) for s in saved for t in _tensors([*s.attrs.values(), *(v for e in s.entries.values()
+                                                                        for v in e.values())])}
+    try:
+        yield
+    finally:
+        for m, s in zip(modules, saved):
+            if any(id(t) not in held for t in _tensors(s.changed(m))):
+                s.restore(m)
