@@ -10,9 +10,9 @@ compute with it. So a module that holds, after the trace, a tensor it did not ho
 attribute, a buffer, a parameter, or inside a list, tuple or dict attribute) is put back as it was:
 its attributes, buffers, parameters and submodules, plain values too, since they describe that
 tensor (the cache's length). The planned step computes those values in its graph every call, as the
-forward did. Modules that stored no tensor keep what their forward set (a Python step counter):
-every call whose model state changed is traced again (runtime/call_state.py), as eager would run
-the forward again.
+forward did. Modules that stored no tensor keep what their forward set (a flag, a Python step
+counter): like any Python side effect of the forward, that happens only while a call is traced
+(runtime/module.py keys the next call with the state the trace left, docs/known-limits.md).
 """
 from __future__ import annotations
 
