@@ -102,8 +102,8 @@ class BudgetProbe:
 
 class FirstProbes:
     """The probes' LPs for lowest_peak_search. On a relaxation of PAIR_MIN_VARIABLES or more, with
-    two CPUs of its own (`sharing_cpus`) and HiGHS on one thread per solve (`paired`), the first one (from nothing, the
-    costliest) is solved together with the probe that follows it where it finds no plan, on a
+    two CPUs of its own (`sharing_cpus`) and HiGHS on one thread per solve (`paired`), the first one
+    (from nothing, the costliest) is solved together with the probe that follows it where it finds no plan, on a
     second BudgetProbe in another thread (HiGHS lets go of the GIL while it solves); every other
     one on the BudgetProbe that solved the last probe used, from its basis. Deterministic: both
     first LPs run to their end, whichever is read."""
