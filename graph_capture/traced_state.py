@@ -10,24 +10,35 @@ compute with it. So a module that holds, after the trace, a tensor it did not ho
 attribute, a buffer, a parameter, or inside a list, tuple or dict attribute) is put back as it was:
 its attributes, buffers, parameters and submodules, plain values too, since they describe that
 tensor (the cache's length). The planned step computes those values in its graph every call, as the
-forward did. Modules that stored no tensor keep what their forward set (a flag, a Python step
-counter): like any Python side effect of the forward, that happens only while a call is traced
-(runtime/module.py keys the next call with the state the trace left, docs/known-limits.md).
+forward did. A loop that reads such a tensor back from the module after a call (an auxiliary loss
+kept on an attribute) would find the value from before the trace: TracedStateWarning names the
+modules, once per model and modules. Modules that stored no tensor keep what their forward set (a
+flag, a Python step counter): like any Python side effect of the forward, that happens only while a
+call is traced (runtime/module.py keys the next call with the state the trace left,
+docs/known-limits.md).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import warnings
+
 import torch
 import torch.nn as nn
 
 from remat.compat.torch_private import pytree
+from remat.core.errors import RematWarning
 
-__all__ = ["traced_tensors_not_kept"]
+__all__ = ["traced_tensors_not_kept", "TracedStateWarning"]
 
 _CONTAINERS = ("_parameters", "_buffers", "_modules")
 _MISSING = object()
+_WARNED: set = set()  # (model class, module paths) already named: AOTAutograd runs the forward twice a trace
+
+
+class TracedStateWarning(RematWarning):
+    """The model's forward stored tensors on its modules while traced: they are not kept there."""
 
 
 class _Saved:
@@ -70,13 +81,24 @@ def _tensors(values: list) -> list[torch.Tensor]:
 def traced_tensors_not_kept(model: nn.Module) -> Iterator[None]:
     """Within: `model` is traced. After, every module that holds a tensor it did not hold before is
     put back as it was (see the module docstring)."""
-    modules = list(model.modules())
-    saved = [_Saved(m) for m in modules]
+    named = list(model.named_modules())
+    saved = [_Saved(m) for _, m in named]
     held = {id(t) for s in saved for t in _tensors([*s.attrs.values(), *(v for e in s.entries.values()
                                                                         for v in e.values())])}
     try:
         yield
     finally:
-        for m, s in zip(modules, saved):
+        put_back = []
+        for (path, m), s in zip(named, saved):
             if any(id(t) not in held for t in _tensors(s.changed(m))):
                 s.restore(m)
+                put_back.append(path or "(the model)")
+        key = (type(model).__name__, tuple(put_back))
+        if put_back and key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(TracedStateWarning(
+                f"{key[0]}'s forward stored tensors on {', '.join(put_back[:4])}"
+                f"{f' and {len(put_back) - 4} more' if len(put_back) > 4 else ''} while traced; the planned step "
+                "runs the traced graph, not the forward, so those modules are left as they were before the trace "
+                "(a cache is computed in the step every call; a tensor read back from a module after a call, such "
+                "as an auxiliary loss, is not there: return it from forward)"), stacklevel=2)

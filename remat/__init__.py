@@ -13,6 +13,7 @@ from remat.core.errors import RematError, RematWarning
 from remat.blockwise import BlockwiseModule, BlockwisePlanWarning
 from remat.graph_capture.autocast_state import AutocastMismatchError
 from remat.graph_capture.export import FusedAttentionWarning
+from remat.graph_capture.traced_state import TracedStateWarning
 from remat.graph_capture.joint import DoubleBackwardError, ParameterMismatchError, RetainedGraphWarning
 from remat.graph_capture.outputs import OutputError
 from remat.graph_capture.profiling import ProfilerBusyError
@@ -35,6 +36,6 @@ __all__ = ["optimize", "plan", "capture", "solve", "Solver", "CaptureOptions", "
            "RematError", "RematWarning",
            "InfeasibleBudgetError", "TraceError", "PlanFileError", "PlanMismatchError", "RematArgumentError",
            "RematArgumentTypeError", "AutocastMismatchError", "ParameterMismatchError", "OutputError",
-           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "BlockBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "FusedAttentionWarning",
+           "DoubleBackwardError", "BlockwisePlanWarning", "OutsideBudgetWarning", "BlockBudgetWarning", "PlanCacheLimitWarning", "RetainedGraphWarning", "FusedAttentionWarning", "TracedStateWarning",
            "WorkspaceNotMeasuredWarning", "ProfilerBusyError", "CompiledPeakWarning", "SolverFallbackWarning",
            "NotAChainError"]
