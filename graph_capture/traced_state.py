@@ -7,9 +7,9 @@ so what it stores is a tensor of the trace, meaningless once the trace ends: lef
 next trace of the same model (the other loss head, a new batch shape) would read it as a constant of
 a dead trace and fail ("Unexpected fake buffer"), and the model itself, called eagerly again, would
 compute with it. So a module that holds, after the trace, a tensor it did not hold before (as an
-attribute, a buffer, a parameter, or inside a list, tuple or dict attribute) is put back as it was:
-its attributes, buffers, parameters and submodules, plain values too, since they describe that
-tensor (the cache's length). The planned step computes those values in its graph every call, as the
+attribute, a buffer, a parameter, or inside a list, tuple or dict attribute, also one filled in
+place) is put back as it was: its attributes, buffers, parameters and submodules, plain values too,
+since they describe that tensor (the cache's length). The planned step computes those values in its graph every call, as the
 forward did. A loop that reads such a tensor back from the module after a call (an auxiliary loss
 kept on an attribute) would find the value from before the trace: TracedStateWarning names the
 modules, once per model and modules. Modules that stored no tensor keep what their forward set (a
@@ -48,14 +48,20 @@ class _Saved:
         self.attrs = dict(vars(module))
         self.entries = {name: dict(vars(module).get(name) or {}) for name in _CONTAINERS}
         self.non_persistent = set(vars(module).get("_non_persistent_buffers_set", ()))
+        # the contents of list and dict attributes, which a forward may fill in place (an auxiliary
+        # loss appended to a list the module holds)
+        self.contents = {k: (list(v) if isinstance(v, list) else dict(v)) for k, v in self.attrs.items()
+                         if isinstance(v, (list, dict)) and k not in _CONTAINERS}
 
     def changed(self, module: nn.Module) -> list:
-        """The values of `module` added or replaced since (attributes and containers' entries)."""
+        """The values of `module` added or replaced since (attributes, containers' entries, and the
+        contents of list and dict attributes filled in place)."""
         now = vars(module)
         out = [v for k, v in now.items() if self.attrs.get(k, _MISSING) is not v]
         for name in _CONTAINERS:
             before = self.entries[name]
             out += [v for k, v in (now.get(name) or {}).items() if before.get(k, _MISSING) is not v]
+        out += [self.attrs[k] for k in self.contents if now.get(k) is self.attrs[k]]  # read against `held`
         return out
 
     def restore(self, module: nn.Module) -> None:
@@ -63,6 +69,13 @@ class _Saved:
         for k in [k for k in now if k not in self.attrs]:
             del now[k]
         now.update(self.attrs)
+        for k, items in self.contents.items():
+            held = self.attrs[k]
+            if isinstance(held, list):
+                held[:] = items
+            else:
+                held.clear()
+                held.update(items)
         for name in _CONTAINERS:
             container = now.get(name)
             if container is not None:

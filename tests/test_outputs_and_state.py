@@ -539,3 +539,33 @@ def test_a_cache_of_tensors_the_forward_builds_on_a_module_is_not_kept_from_the_
             assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
             a.grad = b.grad = None
     assert torch.allclose(model(x), ref(x))  # the model itself, eagerly
+
+
+class _AuxLossList(nn.Module):
+    """A mixture-of-experts style layer that appends its auxiliary loss to a list it holds, which
+    the training loop reads after the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.a, self.aux_losses = nn.Linear(16, 4), nn.Linear(16, 16), []
+
+    def forward(self, x):
+        self.aux_losses.append(self.gate(x).softmax(-1).pow(2).mean())
+        return torch.tanh(self.a(x)).pow(2).mean()
+
+
+def test_a_tensor_the_forward_appends_to_a_list_it_holds_is_taken_back_from_the_trace():
+    """A tensor of the trace appended in place to a list the module holds is taken back (the list as
+    it was), and TracedStateWarning says so: the loop finds no tensor of a dead trace there, and the
+    returned loss trains as eager's."""
+    torch.manual_seed(0)
+    model, ref = _AuxLossList(), _AuxLossList()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    with pytest.warns(remat.TracedStateWarning, match="_AuxLossList's forward stored tensors on"):
+        opt = remat.optimize(model, budget_gb=1, example_inputs=(x,), quiet=True)
+    assert model.aux_losses == []
+    got, want = opt(x), ref(x)
+    got.backward(), want.backward()
+    assert torch.allclose(got, want) and torch.allclose(model.a.weight.grad, ref.a.weight.grad)
+    assert model.aux_losses == [] and len(ref.aux_losses) == 1
