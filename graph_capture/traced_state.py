@@ -9,8 +9,8 @@ a dead trace and fail ("Unexpected fake buffer"), and the model itself, called e
 compute with it. So a module that holds, after the trace, a tensor it did not hold before (as an
 attribute, a buffer, a parameter, or inside a list, tuple or dict attribute, also one filled in
 place) is put back as it was: its attributes, buffers, parameters and submodules, plain values too,
-since they describe that tensor (the cache's length). The planned step computes those values in its graph every call, as the
-forward did. A loop that reads such a tensor back from the module after a call (an auxiliary loss
+since they describe that tensor (the cache's length). The planned step computes those values in its
+graph every call, as the forward did. A loop that reads such a tensor back from the module after a call (an auxiliary loss
 kept on an attribute) would find the value from before the trace: TracedStateWarning names the
 modules, once per model and modules. Modules that stored no tensor keep what their forward set (a
 flag, a Python step counter): like any Python side effect of the forward, that happens only while a
@@ -19,10 +19,9 @@ docs/known-limits.md).
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-import warnings
 
 import torch
 import torch.nn as nn
