@@ -10,9 +10,9 @@ compute with it. So a module that holds, after the trace, a tensor it did not ho
 attribute, a buffer, a parameter, or inside a list, tuple or dict attribute, also one filled in
 place) is put back as it was: its attributes, buffers, parameters and submodules, plain values too,
 since they describe that tensor (the cache's length). The planned step computes those values in its
-graph every call, as the forward did. A loop that reads such a tensor back from the module after a call (an auxiliary loss
-kept on an attribute) would find the value from before the trace: TracedStateWarning names the
-modules, once per model and modules. Modules that stored no tensor keep what their forward set (a
+graph every call, as the forward did. A loop that reads such a tensor back from the module after a
+call (an auxiliary loss kept on an attribute) would find the value from before the trace:
+TracedStateWarning names the modules, once per model and modules. Modules that stored no tensor keep what their forward set (a
 flag, a Python step counter): like any Python side effect of the forward, that happens only while a
 call is traced (runtime/module.py keys the next call with the state the trace left,
 docs/known-limits.md).
