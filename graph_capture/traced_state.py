@@ -12,10 +12,10 @@ place) is put back as it was: its attributes, buffers, parameters and submodules
 since they describe that tensor (the cache's length). The planned step computes those values in its
 graph every call, as the forward did. A loop that reads such a tensor back from the module after a
 call (an auxiliary loss kept on an attribute) would find the value from before the trace:
-TracedStateWarning names the modules, once per model and modules. Modules that stored no tensor keep what their forward set (a
-flag, a Python step counter): like any Python side effect of the forward, that happens only while a
-call is traced (runtime/module.py keys the next call with the state the trace left,
-docs/known-limits.md).
+TracedStateWarning names the modules, once per model and modules. Modules that stored no tensor
+keep what their forward set (a flag, a Python step counter): like any Python side effect of the
+forward, that happens only while a call is traced (runtime/module.py keys the next call with the
+state the trace left, docs/known-limits.md).
 """
 from __future__ import annotations
 
