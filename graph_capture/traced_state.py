@@ -5,8 +5,8 @@ longest sequence seen, with the length they cover), a recurrent state (Recurrent
 keeps its last one). Traced, the forward runs once on the trace's own tensors (fake or functional),
 so what it stores is a tensor of the trace, meaningless once the trace ends: left on the module, the
 next trace of the same model (the other loss head, a new batch shape) would read it as a constant of
-a dead trace and fail ("Unexpected fake buffer"), and the model itself, called eagerly again, would
-compute with it. So a module that holds, after the trace, a tensor it did not hold before (as an
+a dead trace and fail ("Unexpected fake buffer"), and so would the model itself, called eagerly
+again ("Attempting to use FunctionalTensor on its own"). So a module that holds, after the trace, a tensor it did not hold before (as an
 attribute, a buffer, a parameter, or inside a list, tuple or dict attribute, also one filled in
 place) is put back as it was: its attributes, buffers, parameters and submodules, plain values too,
 since they describe that tensor (the cache's length). The planned step computes those values in its
