@@ -2,13 +2,14 @@
 
 A forward may keep a tensor on a module: a lazily built cache (rotary cos/sin tables grown to the
 longest sequence seen, with the length they cover), a recurrent state (RecurrentGemma's RG-LRU
-keeps its last one). Traced, the forward runs once on the trace's own tensors (fake or functional),
-so what it stores is a tensor of the trace, meaningless once the trace ends: left on the module, the
-next trace of the same model (the other loss head, a new batch shape) would read it as a constant of
-a dead trace and fail ("Unexpected fake buffer"), and so would the model itself, called eagerly
-again ("Attempting to use FunctionalTensor on its own"). So a module that holds, after the trace, a tensor it did not hold before (as an
-attribute, a buffer, a parameter, or inside a list, tuple or dict attribute, also one filled in
-place) is put back as it was: its attributes, buffers, parameters and submodules, plain values too,
+keeps its last one). Traced, the forward runs on the trace's own tensors (fake or functional; twice:
+AOTAutograd runs it for the graph's metadata, then for the graph), so what it stores is a tensor of
+the trace, meaningless once that run ends: left on the module, the next run (the trace's second, the
+other loss head's, a new batch shape's) would read it as a constant of a dead trace and fail
+("Unexpected fake buffer"), and so would the model itself, called eagerly again ("Attempting to use
+FunctionalTensor on its own"). So a module that holds, after a traced run, a tensor it did not hold
+before (as an attribute, a buffer, a parameter, or inside a list, tuple or dict attribute, also one
+filled in place) is put back as it was: its attributes, buffers, parameters and submodules, plain values too,
 since they describe that tensor (the cache's length). The planned step computes those values in its
 graph every call, as the forward did. A loop that reads such a tensor back from the module after a
 call (an auxiliary loss kept on an attribute) would find the value from before the trace:
