@@ -96,8 +96,8 @@ def traced_tensors_not_kept(model: nn.Module) -> Iterator[None]:
     put back as it was (see the module docstring)."""
     named = list(model.named_modules())
     saved = [_Saved(m) for _, m in named]
-    held = {id(t) for s in saved for t in _tensors([*s.attrs.values(), *(v for e in s.entries.values()
-                                                                        for v in e.values())])}
+    # the containers (parameters, buffers, lists, dicts) are among the attributes: their tensors too
+    held = {id(t) for s in saved for t in _tensors(list(s.attrs.values()))}
     try:
         yield
     finally:
