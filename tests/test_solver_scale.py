@@ -320,6 +320,37 @@ def test_no_branching_where_no_plan_read_off_the_root_fits(monkeypatch):
     assert alone.details["certify"]["lps"] > 1 and alone.bound <= optimum + 1e-9
 
 
+def test_branching_stops_once_its_reads_are_spent_under_the_rounds_bound(monkeypatch):
+    """On a relaxation over MIP_MAX_VARIABLES, given the bound the rows' rounds proved before it
+    (rounds_bound), the certified search stops branching once its plan reads after the root's are
+    spent (PLAN_ATTEMPTS), where none gave a plan cheaper than its starts and its bound is still
+    under that one (READS_SPENT): it keeps the start, proves less than its full search. Not where a
+    read gave a cheaper plan, nor where its bound is over the rounds', nor without rounds."""
+    from remat.solver.checkmate import certified_search
+
+    g = training_chain(10, 4)
+    lo = equal_spacing.solve(g, 0).predicted_peak_bytes
+    budget = (lo + simulate(g, keep_all_schedule(g)).peak_bytes) // 2
+    optimum, best = brute_force(g, budget)
+    optimum -= g.total_cost
+    monkeypatch.setattr(certified_search, "MIP_MAX_VARIABLES", 0)  # as if the relaxation were large
+    full = certified_search.certified_search(g, budget, starts=[("best", best)])
+    assert full.details["certify"]["lps"] > certified_search.PLAN_ATTEMPTS + 1
+    assert abs(full.bound - optimum) <= 1e-6 * optimum  # it proves the start optimal
+    cut = certified_search.certified_search(g, budget, starts=[("best", best)], rounds_bound=optimum)
+    cert = cut.details["certify"]
+    assert cert["stopped_by"] == certified_search.READS_SPENT
+    assert certified_search.PLAN_ATTEMPTS < cert["lps"] < full.details["certify"]["lps"]
+    assert cut.schedule == best and cut.details["plan_source"] == "best" and cut.bound < full.bound
+    for starts, rounds in (([("best", best)], 0.0),  # no rounds ran
+                           ([("best", best)], full.details["certify"]["root_bound"] * 0.5),  # the root is over theirs
+                           ([("keep nothing", equal_spacing.solve(g, 0).schedule)], optimum)):  # a read is cheaper
+        res = certified_search.certified_search(g, budget, starts=starts, rounds_bound=rounds)
+        assert res.details["certify"]["stopped_by"] != certified_search.READS_SPENT
+        assert res.extra_cost <= optimum + 1e-9 and res.bound <= optimum + 1e-9
+        assert (res.details["plan_source"] == "relaxation") == (starts[0][0] == "keep nothing")
+
+
 FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]
 
 

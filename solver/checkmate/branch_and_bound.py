@@ -63,7 +63,7 @@ class Certificate:
     seconds: float
     stopped_by: str  # "proved" (no open node below the incumbent), "gap", "work limit", "stalled", "time limit",
     # "root LP limit" (the root LP did not finish within its limits: no bound), or the reason `root_stop` gave
-    # (no branching)
+    # (no branching) or `stop_check` gave
     x: np.ndarray | None = None
     infeasible: bool = False
     log: list = field(default_factory=list)
@@ -82,7 +82,8 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
             max_iterations: int | None = None, work_factor: float | None = None, max_lps: int | None = None,
             time_limit_s: float | None = None, on_solution=None, on_lp=None,
             root_iterations: int | None = None, on_simplex=None, root_stop=None,
-            known_bound: float = -math.inf, good_gap: float = 0.0, patience: int = 0) -> Certificate:
+            known_bound: float = -math.inf, good_gap: float = 0.0, patience: int = 0,
+            stop_check=None) -> Certificate:
     """Branch and bound on the relaxation's LP (see the module docstring). incumbent: the cost of
     the best plan known, in model units; on_solution(x, value) may return a better one. Work
     limits: max_iterations simplex iterations in all (or work_factor times the root LP's, never
@@ -95,7 +96,9 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     (stopped_by), or None. known_bound: a bound proved
     otherwise (model units): the gap the search stops at is the incumbent's over the larger of its
     own bound and this one. good_gap: it also stops (stopped_by "good gap") once that gap is within
-    good_gap and `patience` LPs have passed since the incumbent last improved."""
+    good_gap and `patience` LPs have passed since the incumbent last improved. stop_check(lps, bound),
+    if given, is asked after each branching with the LP count and the search's bound (model units): a
+    reason to stop there (stopped_by), or None."""
     import highspy
 
     t0 = time.perf_counter()
@@ -209,6 +212,10 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
         log.append((lps, heap[0][0] if heap else incumbent, incumbent))
         if on_lp is not None:
             on_lp(lps, log[-1][1], incumbent, iters / max_iterations if max_iterations else None)
+        reason = stop_check(lps, heap[0][0]) if stop_check is not None and heap else None
+        if reason is not None:
+            stopped = reason
+            break
     bound = min(heap[0][0], incumbent) if heap else incumbent
     best_x = heap[0][3] if heap else None
     return Certificate(bound, root, lps, iters, time.perf_counter() - t0, stopped, best_x, log=log)

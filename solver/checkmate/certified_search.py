@@ -7,8 +7,9 @@ cheapest plan that fits is the incumbent, which prunes the search. The search st
 bound is within `mip_gap` of the incumbent, when its deterministic work limits are spent (simplex
 iterations: at most WORK_FACTOR root LPs' worth and WORK_ROWS / rows; and MAX_LPS LPs), or at the
 wall-clock deadline if one is given; it does not branch where no plan read off the root's solution
-fits (NO_PLAN_AT_ROOT, on large relaxations). The plans given as `starts` (the other strategies' plans,
-refined) are incumbents from the start. Where that search stops short of its gap on a small
+fits (NO_PLAN_AT_ROOT, on large relaxations), and stops once its plan reads are spent without a
+cheaper plan where its bound is under one the rows' rounds proved (READS_SPENT). The plans given
+as `starts` (the other strategies' plans, refined) are incumbents from the start. Where that search stops short of its gap on a small
 relaxation (MIP_MAX_VARIABLES), HiGHS solves the relaxation as a MILP from the incumbent's point:
 its dual bound and the plans read off its solution.
 """
@@ -31,7 +32,8 @@ from remat.core.simulator import simulate
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "ROOT_UNDER_OTHER_BOUND", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
            "ROOT_WORK_ROWS", "ROOT_MIN_ITERATIONS", "ROOT_EXCHANGE_GAP", "RELAXATION_MAX_NODES", "RELAXATION_MAX_VARIABLES",
            "MIP_MAX_VARIABLES", "MIP_MAX_NODES", "ROOT_CUTS_GAP", "ROOT_CUTS_MAX_VARIABLES", "ROOT_CUTS_STALL",
-           "ROOT_CUTS_MAX_S", "ROOT_CUTS_MIP_GAP", "GOOD_GAP", "GOOD_GAP_PATIENCE", "NO_PLAN_AT_ROOT"]
+           "ROOT_CUTS_MAX_S", "ROOT_CUTS_MIP_GAP", "GOOD_GAP", "GOOD_GAP_PATIENCE", "NO_PLAN_AT_ROOT",
+           "READS_SPENT"]
 
 PLAN_ATTEMPTS = 6  # LP solutions (after the root's) turned into plans, at most
 # Where the root LP's value is this far (relative) under a bound proved otherwise (the peak rows'),
@@ -55,6 +57,21 @@ ROOT_UNDER_OTHER_BOUND = 0.035
 # every root read of the 79 gave a plan. On smaller relaxations branching is cheap and HiGHS's
 # MILP may follow (U-Net at its smallest budget: no plan at the root, two from later LPs)
 NO_PLAN_AT_ROOT = "no plan at the root"
+# Where the rows' rounds ran before the search (certify.py) and proved a bound above the root LP's,
+# branching gains in two ways only: its plan reads (the root's, PLAN_ATTEMPTS more, and the last
+# one) and its bound, once that climbs past the rounds'. Where the reads after the root's are spent,
+# none of them (the root's included) gave a plan cheaper than the starts, and the search's bound is
+# still under the rounds', the branching stops (its last read is still made). At half the
+# activation memory of the 85 saved graphs of benchmarks/certificates.py and unseen_models.py it
+# stops two (the same plans and gaps): GraniteMoE-Hybrid 24.0 -> 11.4 s (its bound had reached
+# 5.60% of the rounds' 5.78% at its work limit, 39 LPs), MPNet 14.7 -> 10.1 s. Where a read did
+# give a cheaper plan, branching goes on: ResNet-50's root read (its last read then gives 3.565%
+# extra, the root's 3.680%), Llama's and ELECTRA's third and fifth LPs (5.653% -> 5.550%,
+# 7.992% -> 7.979%). At 30% of it, nine (872 -> 824 s in all, two at a time): the same plans and
+# gaps (ResNet-50 19.5 -> 10.7 s, Gemma-3 35.6 -> 25.0 s, DistilBERT, Gemma-2, the default GPT, Granite,
+# MPNet, DeepSeek-V3), BEiT's cheaper (16.768% -> 16.627% extra, its last read at another node,
+# 21.6 -> 14.9 s); at 70% of it, none
+READS_SPENT = "reads spent under the rounds' bound"
 MAX_LPS = 150  # LPs the branch and bound solves, at most (a deterministic limit)
 # The exchange search (solver/checkmate/exchange.py) improves a plan of the last reads; of the
 # root's read too where its best plan is this far above the root LP's value, relative to the plan:
@@ -136,18 +153,21 @@ class CertifiedResult:
 def certified_search(graph: TrainingGraph, budget: int, *, starts: list[tuple[str, list[str]]] = (),
                      mip_gap: float = 1e-4, max_iterations: int | None = None,
                      time_limit_s: float | None = None, relaxation: Relaxation | None = None,
-                     other_bound: float = 0.0) -> CertifiedResult:
+                     other_bound: float = 0.0, rounds_bound: float = 0.0) -> CertifiedResult:
     """Plans and a lower bound for `graph` under `budget` (see the module docstring). starts:
     (name, schedule) plans to begin with (those over the budget are ignored). other_bound: a bound
     proved otherwise (cost units, the peak rows'): where the root LP is far under it
-    (ROOT_UNDER_OTHER_BOUND), the root's plans are read and there is no branching. relaxation: the
+    (ROOT_UNDER_OTHER_BOUND), the root's plans are read and there is no branching. rounds_bound: the
+    bound the rows' rounds proved before this search (cost units; 0: none ran): under it, branching
+    stops once its reads are spent without a cheaper plan (READS_SPENT). relaxation: the
     relaxation of `graph` under `budget` where the caller built it (else it is built here)."""
     with stage(f"checkmate: certified search ({len(graph.nodes)} nodes)", unit="LP") as progress:
-        return _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxation, progress, other_bound)
+        return _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxation, progress, other_bound,
+                       rounds_bound)
 
 
 def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxation, progress,
-            other_bound=0.0) -> CertifiedResult:
+            other_bound=0.0, rounds_bound=0.0) -> CertifiedResult:
     t0 = time.perf_counter()
     rel = relaxation if relaxation is not None else Relaxation(graph, budget)
     built_s = None if relaxation is not None else round(time.perf_counter() - t0, 3)  # the caller's to say
@@ -246,7 +266,14 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         # (without a plan to start from, branching is the only way to one: the lowest peak's descent)
         return NO_PLAN_AT_ROOT if large and not plans_log and math.isfinite(best[1]) else None
 
+    def reads_spent(_lps: int, bound: float) -> str | None:  # READS_SPENT
+        if (large and bound * cs < rounds_bound and attempts["n"] > PLAN_ATTEMPTS
+                and best[2] != "relaxation"):  # (no read gave a plan cheaper than the starts)
+            return READS_SPENT
+        return None
+
     cert = certify(rel, incumbent=best[1] / cs, target_gap=mip_gap, max_iterations=max_iterations,
+                   stop_check=reads_spent,
                    work_factor=WORK_FACTOR, max_lps=MAX_LPS, time_limit_s=left, on_solution=on_solution,
                    on_lp=on_lp, root_iterations=root_iterations, on_simplex=on_simplex, root_stop=root_stop,
                    known_bound=other_bound / cs if other_bound > 0 else -math.inf,

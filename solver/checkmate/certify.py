@@ -159,10 +159,12 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
                                                f"optimal (the relaxation: {rel.model.num_vars} variables)")
     left = None if deadline is None else max(0.5, deadline - time.perf_counter())
     # the rows' own bound, not their rounds': where the root LP is far under it the search reads the
-    # root's plans and does not branch (certified_search.ROOT_UNDER_OTHER_BOUND, set on that bound)
+    # root's plans and does not branch (certified_search.ROOT_UNDER_OTHER_BOUND, set on that bound);
+    # the rounds' stops its branching once its reads are spent (certified_search.READS_SPENT)
     res = certified_search(graph, budget_bytes, starts=[(n, r.schedule) for n, r in known.items()],
                            mip_gap=mip_gap, max_iterations=max_iterations, time_limit_s=left,
-                           other_bound=rows.bound, relaxation=rel)
+                           other_bound=rows.bound, relaxation=rel,
+                           rounds_bound=bound if first and "more_rows" in rows.details else 0.0)
     search = dict(res.details)
     search["relaxation"]["build_s"] = built_s
     if res.schedule is not None and search.get("plan_source") == "relaxation":
