@@ -33,6 +33,7 @@ from remat.graph_capture.profiling import allocation_bytes
 from remat.graph_capture.profiling import storage_bytes as _storage_bytes
 from remat.core.training_graph import Node, TrainingGraph
 from remat.graph_capture.cuda_library import cuda_library_workspace_bytes
+from remat.graph_capture.traced_layout import copy_into_traced_layouts, refuse_misfit_views
 from remat.graph_capture.workspace import OpProbe, probe_ops, tensors_in
 
 __all__ = ["JointGraphInfo", "build_training_graph", "split_dropout_outputs", "BYTES_WEIGHT"]
@@ -217,6 +218,10 @@ def build_training_graph(gm: fx.GraphModule, num_fwd_outputs: int, name: str = "
     probed = probe if isinstance(probe, OpProbe) else OpProbe()
     if probe is True and len(devices) == 1:
         probed = probe_ops(gm, next(iter(devices)), allocator=allocator)
+        # views that cannot run on the layout a real kernel gives read a copy in the traced one
+        if probed.misfit_views and copy_into_traced_layouts(gm, [view for view, _ in probed.misfit_views]):
+            probed = probe_ops(gm, next(iter(devices)), allocator=allocator)
+        refuse_misfit_views(probed.misfit_views)
     # a plan for a GPU, made where one is (a real capture, or planning on fake tensors traced on
     # the CPU): the math libraries' workspaces the step will hold (cuda_library.py)
     library_bytes = 0

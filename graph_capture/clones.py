@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from remat.graph_capture.profiling import storage_bytes
 from remat.graph_capture.workspace import tensors_in
 
-__all__ = ["drop_redundant_clones"]
+__all__ = ["drop_redundant_clones", "aliases_of", "refresh_fake_values"]
 
 aten = torch.ops.aten
 
@@ -70,8 +70,8 @@ def _redundant(c: fx.Node, outputs: set[fx.Node], untouchable: set[StorageWeakRe
     return _storage(xv) not in untouchable and _storage(cv) not in untouchable
 
 
-def _aliases(c: fx.Node) -> list[fx.Node] | None:
-    """The nodes whose values alias the copy's storage (its views, their views...), in graph
+def aliases_of(c: fx.Node) -> list[fx.Node] | None:
+    """The nodes whose values alias c's storage through c (its views, their views...), in graph
     order; None when one of them is not a single tensor (a list of views: left alone)."""
     old = _storage(c.meta["val"])
     found: list[fx.Node] = []
@@ -93,9 +93,10 @@ def _aliases(c: fx.Node) -> list[fx.Node] | None:
     return sorted(found, key=order.__getitem__)
 
 
-def _refresh(aliases: list[fx.Node]) -> None:
-    """Recompute the aliases' fake values (in graph order) so they alias x's storage too: the
-    graph builder then groups them with x instead of counting new allocations."""
+def refresh_fake_values(aliases: list[fx.Node]) -> None:
+    """Recompute the aliases' fake values (in graph order) from their inputs' as they are now, so
+    they alias the storage those view (a clone dropped: x's; a copy made, traced_layout.py: the
+    copy's): the graph builder groups them with its owner."""
     for n in aliases:
         v = n.meta["val"]
         args = fx.node.map_arg(n.args, lambda a: a.meta["val"])
@@ -113,14 +114,14 @@ def drop_redundant_clones(gm: fx.GraphModule) -> int:
     for c in list(g.nodes):
         if not _redundant(c, outputs, untouchable):
             continue
-        aliases = _aliases(c)
+        aliases = aliases_of(c)
         if aliases is None:
             continue
         x, readers = c.args[0], list(c.users)
         saved = {n: n.meta["val"] for n in aliases}
         c.replace_all_uses_with(x)
         try:
-            _refresh(aliases)
+            refresh_fake_values(aliases)
         except Exception:  # a view fake tensors cannot redo: keep the copy, as traced
             for n, v in saved.items():
                 n.meta["val"] = v

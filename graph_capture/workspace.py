@@ -190,6 +190,9 @@ class OpProbe:
     # ops not measured at their traced shapes, one entry per op signature: {"op", "nodes", "method"
     # ("scaled", "formula" or "unmeasured"), "workspace_bytes" (each node's), ...}
     estimated: list[dict] = field(default_factory=list)
+    # (view node, the real strides of its input): views that failed on the layout the real ops gave
+    # their input, other than its fake tensor's (graph_capture/traced_layout.py)
+    misfit_views: list = field(default_factory=list)
 
 
 def default_min_bytes(allocator: str) -> int:
@@ -376,42 +379,18 @@ def _probe(gm: fx.GraphModule, device: torch.device | None, min_bytes: int, allo
         for m in todo[sig]:
             result.workspace[m.name] = max(0, extra) if extra >= min_bytes else 0
             result.out_storages[m.name] = storages
-    _refuse_views_of_other_layouts([nodes[0] for sig, nodes in todo.items() if sig not in measured], layouts)
+    result.misfit_views = _misfit_views([n for sig, nodes in todo.items() if sig not in measured for n in nodes],
+                                        layouts)
     return result
 
 
-def _refuse_views_of_other_layouts(failed: list[fx.Node], layouts: dict) -> None:
-    """Raise TraceError for a `view` that failed on the layout the real kernel before it gave its
-    input, where the fake tensor the trace decided on had other strides (CPU BatchNorm on a
-    transposed input returns a contiguous output, its fake kernel a transposed one): the planned
-    step would raise "view size is not compatible" at its first call."""
-    from remat.graph_capture.joint import TraceError
-
+def _misfit_views(failed: list[fx.Node], layouts: dict) -> list[tuple[fx.Node, tuple[int, ...]]]:
+    """(view, the real strides of its input) for each `view` among `failed` (nodes whose probe
+    failed) whose input the real ops laid out with other strides than its fake tensor has."""
+    out = []
     for n in failed:
-        if n.target is not torch.ops.aten.view.default or not isinstance(n.args[0], fx.Node):
-            continue
-        source, lay = n.args[0], layouts.get(n.args[0])
-        v = source.meta.get("val")
-        if isinstance(lay, Layout) and isinstance(v, torch.Tensor) and lay.stride != tuple(v.stride()):
-            # the op whose kernels disagree: the first one before the view that is not a view itself
-            # (a transpose only passes its input's layout on; PatchTST's BatchNorm before it decides it)
-            maker = source
-            while _is_view(maker.target) and maker.args and isinstance(maker.args[0], fx.Node):
-                maker = maker.args[0]
-            where = maker.meta.get("remat_module_path")
-            via = f", through {source.name} ({source.target})" if maker is not source else ""
-            raise TraceError(
-                f"{maker.name} ({maker.target}{f', in {where}' if where else ''}) is laid out with other strides by "
-                f"the real kernel than by the fake one the trace ran{via}: {lay.stride} against {tuple(v.stride())} "
-                f"where the view {n.name} takes it, which cannot run on the real layout: the planned step would fail "
-                f"at its first call (a mismatch of PyTorch's fake kernel; torch.compile's aot_eager backend fails the "
-                f"same way). Make that tensor contiguous in the model (`.contiguous()` after it) or take it with "
-                f"`.reshape`.")
-
-
-def _is_view(target) -> bool:
-    """Whether an fx node's target is an ATen op returning a view of its input."""
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
-        return False
-    alias = target._schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
+        if n.target is torch.ops.aten.view.default and isinstance(n.args[0], fx.Node):
+            lay, v = layouts.get(n.args[0]), n.args[0].meta.get("val")
+            if isinstance(lay, Layout) and isinstance(v, torch.Tensor) and lay.stride != tuple(v.stride()):
+                out.append((n, lay.stride))
+    return out

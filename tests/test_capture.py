@@ -297,28 +297,6 @@ def test_reentrant_checkpointing_is_named_with_what_to_do():
     assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters()))
 
 
-class NormOnTransposed(nn.Module):
-    """PatchTST's BatchNorm over (batch, channels, patches), transposed back before a linear: the
-    real CPU kernel returns a contiguous output where its fake kernel says transposed."""
-
-    def __init__(self):
-        super().__init__()
-        self.bn, self.lin = nn.BatchNorm1d(16), nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.lin(self.bn(x.transpose(1, 2)).transpose(1, 2)).pow(2).mean()
-
-
-def test_a_view_the_real_layout_cannot_take_is_refused_when_traced():
-    # optimize succeeded, then the module raised "view size is not compatible" at its first call
-    torch.manual_seed(0)
-    with pytest.raises(remat.TraceError, match="real kernel.*contiguous") as e:
-        remat.optimize(NormOnTransposed(), example_inputs=(torch.randn(24, 4, 16),), solver="keep_all", quiet=True)
-    # it names the BatchNorm whose kernels disagree and its module, not the transpose after it (which
-    # only passes the layout on) nor the linear whose view failed
-    assert "batch_norm" in str(e.value).split(" is laid out")[0] and "in bn)" in str(e.value)
-
-
 class _RunsItsLayer(torch.autograd.Function):
     """A reversible layer's custom backward: it runs the layer again on its saved input."""
 
