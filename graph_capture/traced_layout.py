@@ -60,9 +60,6 @@ def copy_into_traced_layouts(gm: fx.GraphModule, views: list[fx.Node]) -> int:
                 empty.meta.update(meta, val=torch.ops.aten.empty_strided.default(size, stride, **kwargs))
                 copy = g.call_function(torch.ops.aten.copy.default, (empty, source))
                 copy.meta.update(meta, val=torch.ops.aten.copy.default(empty.meta["val"], v))
-        if tuple(copy.meta["val"].stride()) != tuple(v.stride()):  # the copy would not help: undo it
-            _erase_back_to(g, copy, source)
-            continue
         # the views and their own views: their fake values alias the copy now, so that the graph
         # builder groups them with it (not with the source)
         moved = [n for view, after in zip(readers, following) for n in (view, *after)]

@@ -9,9 +9,9 @@ iterations: at most WORK_FACTOR root LPs' worth and WORK_ROWS / rows; and MAX_LP
 wall-clock deadline if one is given; it does not branch where no plan read off the root's solution
 fits (NO_PLAN_AT_ROOT, on large relaxations), and stops once its plan reads are spent without a
 cheaper plan where its bound is under one the rows' rounds proved (READS_SPENT). The plans given
-as `starts` (the other strategies' plans, refined) are incumbents from the start. Where that search stops short of its gap on a small
-relaxation (MIP_MAX_VARIABLES), HiGHS solves the relaxation as a MILP from the incumbent's point:
-its dual bound and the plans read off its solution.
+as `starts` (the other strategies' plans, refined) are incumbents from the start. Where that
+search stops short of its gap on a small relaxation (MIP_MAX_VARIABLES), HiGHS solves the
+relaxation as a MILP from the incumbent's point: its dual bound and the plans read off its solution.
 """
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
         # (without a plan to start from, branching is the only way to one: the lowest peak's descent)
         return NO_PLAN_AT_ROOT if large and not plans_log and math.isfinite(best[1]) else None
 
-    def reads_spent(_lps: int, bound: float) -> str | None:  # READS_SPENT
+    def reads_spent(bound: float) -> str | None:  # READS_SPENT
         if (large and bound * cs < rounds_bound and attempts["n"] > PLAN_ATTEMPTS
                 and best[2] != "relaxation"):  # (no read gave a plan cheaper than the starts)
             return READS_SPENT
