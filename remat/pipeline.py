@@ -5,6 +5,10 @@
             keep_all where it fits; another call's schedule where it fits as tightly; or a solve
     lower   runtime/partition.py: the joint graph in the plan's order, split into forward and backward
 
+Why this file is long: the head choice (`StepPlanner._best_head`) runs the same trace, decide and
+lower steps as one call's plan, in the order of traces and solves its measurements set (each head
+traced once where it can be, its graph solved alone, after the other, or at once).
+
 `planned_step` runs the three for one call and returns the runtime's PlannedStep. `StepPlanner` is
 what a RematModule calls for every kind of call (shape, requires_grad pattern, mode) it has not seen
 (runtime/module.py); `remat.optimize` plans the example inputs with it.
@@ -41,11 +45,18 @@ log-softmax computed from a linear (the only head the router can take) of at lea
 of the budget (nothing a chunked head could save is worth a second trace); otherwise (a plan that
 recomputes, or no plan that fits) the step is traced again with the chunked head, where its graph
 has such a log-softmax at all, and planned too, and the plan that fits with the lower total cost
-(the graph's cost plus its recomputations) is kept. Where the model's head has a plan that fits, the chunked
-head's graph is solved only if the rows' bound (solver/checkmate/peak_rows.py) leaves it room to
-cost less in all; otherwise it is dropped after that bound (HF Mamba and Funnel of
-benchmarks/unseen_models.py at half their activation memory: the chunked head's bound is over what
-it could cost and win; remat.optimize 25 -> 16 s and 23 -> 17 s, the same plans). Under a budget
+(the graph's cost plus its recomputations) is kept. The chunked head's graph is solved only if the
+rows' bound (solver/checkmate/peak_rows.py) leaves it room to cost less in all than the model's
+head's plan; otherwise it is dropped after that bound (HF Mamba and Funnel of
+benchmarks/unseen_models.py at half their activation memory: remat.optimize 25 -> 16 s and 23 -> 17
+s, the same plans). At the smallest budget already found for the model's head's graph (the budget
+a refusal named, its lowest-peak search cached; within that search's resolution,
+peak_bisection.PEAK_RESOLUTION), where that bound seldom prunes, the chunked head
+is traced before either is solved, and the two graphs are solved at once (solving.at_once: two
+threads, HiGHS lets go of the GIL, each solve the one it would be alone, so the plan kept is the
+same); the winner's head is traced again to be lowered with its plan (dots.llm1 at its smallest
+budget: 112.6 -> 53.6 s, `benchmarks/unseen_models.py --smallest --models dots1`). Where the router
+takes no head after all, that trace is the model's own step, planned there alone. Under a budget
 below the smallest one already found for a head's graph (an equal graph: the model traced again at
 the budget an InfeasibleBudgetError named, which the other head reached), that head is not solved
 again. A later call
@@ -82,11 +93,14 @@ from remat.runtime.module import (DEFAULT_CACHE_LIMIT, BlockBudgetWarning, Plann
 from remat.runtime.call_state import warn_traced_hooks
 from remat.runtime.partition import partition_with_plan
 from remat.solver import get_solver
+from remat.solver.checkmate.peak_bisection import PEAK_RESOLUTION
 from remat.solver.checkmate.peak_rows import peak_floor
-from remat.core.plan import InfeasibleBudgetError, Plan, PlanStatus, plan_from_schedule
+from remat.solver.schedule import keep_all_schedule
+from remat.core.plan import (InfeasibleBudgetError, Plan, PlanFileError, PlanMismatchError, PlanStatus,
+                             plan_from_schedule)
 from remat.core.simulator import ScheduleError, simulate
 from remat.loss_head.router import chunked_loss_mode
-from remat.solving import (infeasible_budget, known_smallest_feasible, smallest_feasible_of_each, solve,
+from remat.solving import (at_once, infeasible_budget, known_smallest_feasible, smallest_feasible_of_each, solve,
                            strategy_options)
 
 __all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
@@ -157,6 +171,11 @@ def joint_info(captured: CapturedStep, cost_model: str = "flops") -> JointGraphI
 class _NotCheaper(Exception):
     """The chunked head's graph cannot cost less in all than the model's head's plan (`may_cost_less`),
     or has no chunked head (the router took none: the model's own step, planned as its head)."""
+
+
+class _BothHeads(Exception):
+    """The model's head's graph, traced, will have the chunked head weighed against it: the two are
+    solved at once (`StepPlanner._best_head`) instead of this trace's solve."""
 
 
 def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, decision: Decision,
@@ -311,7 +330,8 @@ class StepPlanner:
         traced: dict[bool, TrainingGraph] = {}  # each head's graph, planned or not
         tried: dict[bool, PlannedStep | None] = {}  # each head's step at this budget (None: none fits)
 
-        def step(chunked: bool, search: bool = True, to_beat: float | None = None) -> PlannedStep:
+        def step(chunked: bool, search: bool = True, to_beat: float | None = None,
+                 defer: bool = False) -> PlannedStep:
             choose = self.choose(model, args, kwargs, known=None, others=others, budget=budget,
                                  smallest_on_failure=search)
 
@@ -321,18 +341,86 @@ class StepPlanner:
                     raise _NotCheaper  # not solved twice (DPT's pixel-wise loss: 18 s each)
                 if to_beat is not None and not may_cost_less(graph, limit, to_beat):
                     raise _NotCheaper
+                if defer and both_heads_solved(graph):
+                    raise _BothHeads
                 return choose(graph)
 
             return planned_step(model, args, kwargs, o, Decision(recording), call, chunked=chunked)
 
-        def fitting(chunked: bool, to_beat: float | None = None) -> PlannedStep | None:
+        def fitting(chunked: bool, to_beat: float | None = None, defer: bool = False) -> PlannedStep | None:
             # a budget a head does not fit is not searched below here: the other head may fit
             if chunked not in tried:
                 try:
-                    tried[chunked] = step(chunked, search=False, to_beat=to_beat)
+                    tried[chunked] = step(chunked, search=False, to_beat=to_beat, defer=defer)
                 except (InfeasibleBudgetError, _NotCheaper):
                     tried[chunked] = None
             return tried[chunked]
+
+        def both_heads_solved(graph: TrainingGraph) -> bool:
+            """Whether the model's head's graph, traced, is one whose plan the chunked head's would be
+            weighed against in full (a head worth it; a plan that must recompute: keep_all over the
+            budget, no other call's schedule serving; the budget the smallest already found for this
+            graph, within the lowest-peak search's resolution): then the two are solved at once (the
+            module docstring)."""
+            smallest = known_smallest_feasible(graph, o.solver, o.time_limit_s, **o.solver_kwargs)
+            return (True not in tried and smallest is not None
+                    and smallest <= limit <= smallest * (1 + PEAK_RESOLUTION)
+                    and head_worth_tracing(graph, limit)
+                    and simulate(graph, keep_all_schedule(graph)).peak_bytes > limit
+                    and (not others or _reused(graph, limit, o, others) is None))
+
+        def both_at_once() -> PlannedStep | None:
+            """Both heads solved at once (the module docstring): the planned step of the one whose
+            plan fits with the lower total cost (the model's head on a tie). None where neither
+            fits, or where the router took no head (that trace is the model's own step: planned
+            there, alone, as `tried[False]`)."""
+            choose = self.choose(model, args, kwargs, known=None, others=others, budget=budget,
+                                 smallest_on_failure=False)
+
+            def chunked_traced(graph: TrainingGraph) -> tuple[Plan, str]:
+                traced[True] = graph
+                if has_chunked_head(graph):
+                    raise _BothHeads
+                return choose(graph)
+
+            try:  # the router took no head: the model's step, solved alone, not traced again
+                tried[False], tried[True] = planned_step(model, args, kwargs, o, Decision(chunked_traced), call,
+                                                         chunked=True), None
+                return None
+            except InfeasibleBudgetError:
+                tried[False] = tried[True] = None
+                return None
+            except _BothHeads:
+                pass
+
+            def solved(g: TrainingGraph) -> tuple[Plan, str] | None:
+                try:
+                    return choose(g)
+                except InfeasibleBudgetError:
+                    return None
+
+            t0 = time.perf_counter()
+            with progress.quiet(o.quiet):
+                plans = at_once({c: (lambda g=traced[c]: solved(g)) for c in (False, True)}, o.solver_kwargs)
+            seconds = time.perf_counter() - t0
+            fits = {c: p for c, p in plans.items() if p is not None}
+            if not fits:
+                tried[False] = tried[True] = None
+                return None
+            best = min(fits, key=lambda c: (fits[c][0].total_cost, c))
+            plan, how = fits[best]
+
+            def planned(g: TrainingGraph) -> tuple[Plan, str]:  # the graph traced again to be lowered
+                try:
+                    return rejudge(plan, g), how
+                except (PlanMismatchError, PlanFileError):  # another trace than the one solved
+                    return choose(g)
+
+            chosen = planned_step(model, args, kwargs, o, Decision(planned), call, chunked=best)
+            chosen.record = dataclasses.replace(chosen.record, plan_s=chosen.record.plan_s + seconds)
+            tried[best] = chosen
+            tried[not best] = None  # (weighed: not the cheaper)
+            return chosen
 
         if mode != "auto" or o.solver != "checkmate":
             # the baselines reproduce their published methods on the model's own step
@@ -346,7 +434,16 @@ class StepPlanner:
             first = fitting(last)
             if first is not None and first.record.how.startswith("reused"):
                 return first
-        plain = fitting(False)
+        try:
+            plain = fitting(False, defer=limit is not None)
+        except _BothHeads:
+            chosen = both_at_once()
+            if chosen is not None:
+                if loss_head_of(chosen.graph) == "chunked":
+                    chosen.plan = dataclasses.replace(chosen.plan, details={
+                        **chosen.plan.details, **head_added(traced[True], traced[False])})
+                return chosen
+            plain = fitting(False)  # neither fits, or the router took no head: as below
         if plain is not None and (limit is None or plain.plan.extra_cost == 0):
             return plain  # nothing recomputed: the chunked head could only add its matmul
         if plain is not None and not head_worth_tracing(traced[False], limit):

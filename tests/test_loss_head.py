@@ -449,6 +449,40 @@ def test_the_chunked_head_is_not_solved_where_its_rows_bound_says_it_cannot_cost
     assert full.fits and chunked.total_cost + full.extra_cost >= opt.plan.total_cost
 
 
+@pytest.mark.parametrize("classes, head", [(64, "unchunked"), (512, "chunked")])
+def test_at_the_smallest_budget_found_both_heads_are_solved_at_once(classes, head, monkeypatch):
+    """At the smallest budget found for the model's head's graph (as a refusal names it), the
+    chunked head is traced before either head is solved, the two graphs are solved at once, and
+    the head whose plan fits with the lower total cost is traced again and lowered with that plan:
+    the plan each graph gets solved alone, the cheaper (64 classes over wide layers: the chunked
+    head does not fit there, its peak's floor is over the budget, so it is refused unsolved; 512:
+    it costs less), with eager's gradients."""
+    import remat.pipeline as pipeline
+    from remat.solving import smallest_feasible
+
+    torch.manual_seed(0)
+    model, args = Wide(classes), (torch.randn(256, 64), torch.randint(0, classes, (256,)))
+    plain = remat.capture(model, args, quiet=True)
+    chunked = remat.capture(model, args, chunked_loss=True, quiet=True)
+    assert has_chunked_head(chunked)
+    budget = smallest_feasible(plain, "checkmate")  # found (cached for the graph), as a refusal names it
+    alone = {}
+    for c, g in ((False, plain), (True, chunked)):
+        try:
+            alone[c] = remat.solve(g, budget, quiet=True)
+        except remat.InfeasibleBudgetError:
+            pass
+    at_once, real = [], pipeline.at_once
+    monkeypatch.setattr(pipeline, "at_once", lambda calls, *a, **k: at_once.append(sorted(calls)) or real(calls, *a, **k))
+    opt, heads, solved = _heads_traced_and_solved(monkeypatch, model, args, budget)
+    want = min(alone, key=lambda c: (alone[c].total_cost, c))
+    assert at_once == [[False, True]] and heads == [False, True, want] and sorted(solved) == sorted(alone)
+    assert opt.plan.details["loss_head"] == head == ("chunked" if want else "unchunked")
+    assert opt.plan.schedule == alone[want].schedule and opt.plan.predicted_peak_bytes <= budget
+    params = list(model.parameters())
+    _close(_loss_grads(opt, params, args), _loss_grads(model, params, args), FP32)
+
+
 class Softcapped(Wide):
     """Wide with its logits soft-capped (Gemma-2): a cross-entropy the chunked op cannot take."""
 

@@ -351,6 +351,27 @@ def test_branching_stops_once_its_reads_are_spent_under_the_rounds_bound(monkeyp
         assert (res.details["plan_source"] == "relaxation") == (starts[0][0] == "keep nothing")
 
 
+def test_branching_stops_once_its_reads_are_spent_with_its_bound_flat(monkeypatch):
+    """On a relaxation over MIP_MAX_VARIABLES, once the plan reads after the root's are spent
+    (PLAN_ATTEMPTS) with the search's bound risen by less than STALL_RISE of the gap the root left,
+    the branching stops (BOUND_FLAT): here at its 7th LP, where it would stall at its 21st, with
+    the same plan and the bound as flat as it was."""
+    from remat.solver.checkmate import certified_search
+
+    g, budget = transformer_like(1, 2), 2237572
+    monkeypatch.setattr(certified_search, "MIP_MAX_VARIABLES", 0)  # as if the relaxation were large
+    cut = checkmate.solve(g, budget)
+    cert = cut.details["certify"]
+    assert cert["stopped_by"] == certified_search.BOUND_FLAT and cert["lps"] == certified_search.PLAN_ATTEMPTS + 1
+    monkeypatch.setattr(certified_search, "STALL_RISE", -1.0)  # never flat: the search as it was
+    full = checkmate.solve(g, budget)
+    whole = full.details["certify"]
+    assert whole["stopped_by"] != certified_search.BOUND_FLAT and whole["lps"] > cert["lps"]
+    assert cut.schedule == full.schedule and cut.fits
+    rise = cert["bound"] - cert["root_bound"]
+    assert -1e-9 <= rise <= 0.01 * (cut.extra_cost - cert["root_bound"]) and whole["bound"] >= cert["bound"] - 1e-9
+
+
 FLAT = [random_dag(25, 1), random_dag(35, 2), transformer_like(1, 2), random_dag(60, 4), encoder_decoder(3, 4, seed=2)]
 
 
