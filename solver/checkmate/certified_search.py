@@ -73,9 +73,10 @@ NO_PLAN_AT_ROOT = "no plan at the root"
 # MPNet, DeepSeek-V3), BEiT's cheaper (16.768% -> 16.627% extra, its last read at another node,
 # 21.6 -> 14.9 s); at 70% of it, none
 READS_SPENT = "reads spent under the rounds' bound"
-# ... and, without the rounds' bound, once the reads after the root's are spent where the search's
-# bound has risen by less than STALL_RISE of the gap the root left (to the best plan): the STALL
-# rule's, decided as soon as branching can give no more plans but its last read. At the smallest
+# ... and, with or without the rounds' bound, once the reads after the root's are spent where the
+# search's bound has risen by less than STALL_RISE of the gap the root left (to the best plan): the
+# STALL rule's, decided as soon as branching can give no more plans but its last read (unlike a
+# stall, no HiGHS root cuts follow: on dots.llm1 its work limit came first anyway). At the smallest
 # feasible budget of dots.llm1 (611 nodes) the bound rose 0.03 points of a 9.7-point gap in 15 LPs
 # (the work limit): 28 -> 18 s, the same plan. Of the graphs of benchmarks/certificates.py and
 # unseen_models.py that branch past their reads (28 at half their activation memory, 37 at 30%),
