@@ -356,6 +356,14 @@ class StepPlanner:
                     tried[chunked] = None
             return tried[chunked]
 
+        def with_head_added(chosen: PlannedStep) -> PlannedStep:
+            """`chosen`, where it has the chunked head and the model's head was traced too, with what
+            the chunked head costs beyond the model's in its details, for reports."""
+            if loss_head_of(chosen.graph) == "chunked" and False in traced:
+                chosen.plan = dataclasses.replace(chosen.plan, details={
+                    **chosen.plan.details, **head_added(traced[True], traced[False])})
+            return chosen
+
         def both_heads_solved(graph: TrainingGraph) -> bool:
             """Whether the model's head's graph, traced, is one whose plan the chunked head's would be
             weighed against in full (a head worth it; a plan that must recompute: keep_all over the
@@ -439,10 +447,7 @@ class StepPlanner:
         except _BothHeads:
             chosen = both_at_once()
             if chosen is not None:
-                if loss_head_of(chosen.graph) == "chunked":
-                    chosen.plan = dataclasses.replace(chosen.plan, details={
-                        **chosen.plan.details, **head_added(traced[True], traced[False])})
-                return chosen
+                return with_head_added(chosen)
             plain = fitting(False)  # neither fits, or the router took no head: as below
         if plain is not None and (limit is None or plain.plan.extra_cost == 0):
             return plain  # nothing recomputed: the chunked head could only add its matmul
@@ -470,10 +475,7 @@ class StepPlanner:
             raise infeasible_budget(o.solver, limit, smallest[best])
         if plain is None or (chunked is not None and chunked.plan.total_cost < plain.plan.total_cost):
             assert chunked is not None
-            if False in traced:  # what the chunked head costs beyond the model's, for reports
-                chunked.plan = dataclasses.replace(chunked.plan, details={
-                    **chunked.plan.details, **head_added(traced[True], traced[False])})
-            return chunked
+            return with_head_added(chunked)
         return plain
 
 

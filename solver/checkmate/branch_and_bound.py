@@ -96,9 +96,9 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
     (stopped_by), or None. known_bound: a bound proved
     otherwise (model units): the gap the search stops at is the incumbent's over the larger of its
     own bound and this one. good_gap: it also stops (stopped_by "good gap") once that gap is within
-    good_gap and `patience` LPs have passed since the incumbent last improved. stop_check(bound), if
-    given, is asked after each branching with the search's bound (model units): a reason to stop
-    there (stopped_by), or None."""
+    good_gap and `patience` LPs have passed since the incumbent last improved. stop_check(bound, root),
+    if given, is asked after each branching with the search's bound and the root LP's value (model
+    units): a reason to stop there (stopped_by), or None."""
     import highspy
 
     t0 = time.perf_counter()
@@ -212,7 +212,7 @@ def certify(rel: Relaxation, *, incumbent: float = math.inf, target_gap: float =
         log.append((lps, heap[0][0] if heap else incumbent, incumbent))
         if on_lp is not None:
             on_lp(lps, log[-1][1], incumbent, iters / max_iterations if max_iterations else None)
-        reason = stop_check(heap[0][0]) if stop_check is not None and heap else None
+        reason = stop_check(heap[0][0], root) if stop_check is not None and heap else None
         if reason is not None:
             stopped = reason
             break

@@ -271,21 +271,17 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
     large = rel.model.num_vars > MIP_MAX_VARIABLES
     floor = other_bound * (1 - ROOT_UNDER_OTHER_BOUND) / cs if other_bound > 0 and large else None
 
-    root_value: list = []  # the root LP's value (model units)
-
     def root_stop(root: float) -> str | None:  # no branching where (ROOT_UNDER_OTHER_BOUND, NO_PLAN_AT_ROOT)
-        root_value.append(root)
         if floor is not None and root < floor:
             return "under the floor"
         # (without a plan to start from, branching is the only way to one: the lowest peak's descent)
         return NO_PLAN_AT_ROOT if large and not plans_log and math.isfinite(best[1]) else None
 
-    def reads_spent(bound: float) -> str | None:  # READS_SPENT, BOUND_FLAT
+    def reads_spent(bound: float, root: float) -> str | None:  # READS_SPENT, BOUND_FLAT
         if not large or attempts["n"] <= PLAN_ATTEMPTS:
             return None
         if bound * cs < rounds_bound and best[2] != "relaxation":  # (no read gave a plan cheaper than the starts)
             return READS_SPENT
-        root = root_value[0] if root_value else bound
         if math.isfinite(best[1]) and bound - root <= STALL_RISE * (best[1] / cs - root):
             return BOUND_FLAT
         return None
