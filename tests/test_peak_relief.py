@@ -352,3 +352,48 @@ def test_searches_run_at_once_do_not_pair_their_first_probes(monkeypatch):
     found, threads = probe_threads(4, nested)
     assert found == unpaired and threads == {"MainThread"}
     assert bisection._SHARING.get() == 1  # every count is restored
+
+
+def test_the_first_lp_probe_lies_three_quarters_of_the_way_up(monkeypatch):
+    """On a large relaxation (the size forced here), until its first LP is solved,
+    lowest_peak_search probes FIRST_PROBE_AT of the way from the highest budget without a plan (here
+    the floor given) to the best peak (the top its probes are built at), not half way; the probes
+    after it bisect. Under the size, the first probe lies half way."""
+    from remat.solver.checkmate import peak_bisection as bisection
+
+    monkeypatch.setattr(bisection, "PAIR_MIN_VARIABLES", 0)
+    monkeypatch.setattr(bisection, "_cpus", lambda: 1)  # one probe after another
+    monkeypatch.setattr(bisection, "fit", lambda *a, **k: None)  # every probe goes to its LP
+    tops, budgets = [], []
+    real_init, real_solve = bisection.FirstProbes.__init__, bisection.FirstProbes.solve
+
+    def init(self, graph, top, paired):
+        tops.append(top)
+        real_init(self, graph, top, paired)
+
+    def solve(self, budget, if_none):
+        budgets.append(budget)
+        return real_solve(self, budget, if_none)
+
+    monkeypatch.setattr(bisection.FirstProbes, "__init__", init)
+    monkeypatch.setattr(bisection.FirstProbes, "solve", solve)
+    bisected = 0
+    for g in (training_chain(40, 0), random_dag(30, 1), transformer_like(3, seed=2)):
+        _, bound = bisection.lowest_peak_search(g)
+        top = tops[-1]
+        floor = (bound + top) // 2  # at or above the relaxation's own bound: the search starts there
+        budgets.clear()
+        _, lower = bisection.lowest_peak_search(g, floor=floor)
+        assert tops[-1] == top and budgets
+        assert budgets[0] == floor + int(bisection.FIRST_PROBE_AT * (top - floor)) > (floor + top) // 2
+        if len(budgets) > 1:
+            bisected += 1
+            # then half way: up from it where it read no plan, else under the peak it found
+            assert budgets[1] == (budgets[0] + top) // 2 or floor < budgets[1] < budgets[0]
+        assert lower >= floor  # (not a proven floor here: it only sets where the search starts)
+        monkeypatch.setattr(bisection, "PAIR_MIN_VARIABLES", 10 ** 9)
+        budgets.clear()
+        bisection.lowest_peak_search(g, floor=floor)
+        assert budgets[0] == (floor + top) // 2
+        monkeypatch.setattr(bisection, "PAIR_MIN_VARIABLES", 0)
+    assert bisected  # some search went on from its first probe

@@ -5,7 +5,8 @@ solver/checkmate/lowest_peak.py).
 The smallest-peak relaxation (recomputation free) gives the first schedule and bound; budgets
 between them are probed by bisection, each with the cost relaxation's LP there (a BudgetProbe,
 hot-started from the last probe's basis) and plans read off its solution (guided.py). The first
-probe's LP, from nothing, costs the most (Mamba2, 888 nodes: 27-30 s of the search's 72), and where
+probe's LP, from nothing, costs the most (Mamba2, 888 nodes: 27-30 s of the search's 72; it is
+made three quarters of the way up, where plans fit on large graphs, FIRST_PROBE_AT), and where
 it finds no plan the next probe is known before it ends: on large relaxations the two are solved at
 once, in two threads (`FirstProbes`), where the search has two CPUs of its own (not where it runs
 beside another: `sharing_cpus`). The last fitting probe's LP is read again from nothing for a
@@ -28,7 +29,7 @@ from remat.solver.checkmate.relaxation import SAFETY, Relaxation
 from remat.solver.checkmate.sparse_lp import HotLP, Solution
 
 __all__ = ["lowest_peak_search", "BudgetProbe", "FirstProbes", "sharing_cpus", "PROBE_MAX_VARIABLES",
-           "PEAK_RESOLUTION", "COLD_MAX_ITERATIONS", "PAIR_MIN_VARIABLES"]
+           "PEAK_RESOLUTION", "COLD_MAX_ITERATIONS", "PAIR_MIN_VARIABLES", "FIRST_PROBE_AT"]
 
 # lowest_peak_search probes budgets only on relaxations up to this many variables: the first
 # probe (the cost relaxation's LP at a budget, from nothing) takes 2-3 s at 36k variables
@@ -44,6 +45,20 @@ PEAK_RESOLUTION = 1e-3
 # (ALBERT, ResNet-50, DistilBERT); the three over this limit gave none and took the longest:
 # Gemma-3 32k (6 s), DeepSeek-V3 40k (5 s), Mamba2 52k (24 s of its 98)
 COLD_MAX_ITERATIONS = 30_000
+# on relaxations of PAIR_MIN_VARIABLES or more, until the first probe's LP is solved, the bisection
+# probes this share of the way up from the highest budget with no plan to the best peak, not half of
+# it: that LP, from nothing, costs the most (Mamba2: 26 s wherever it is solved; the hot-started ones
+# after it 0.2-16 s), and there the relaxation's bound lies far under the peaks plans reach, so the
+# first probe at half way found no plan and the next went up from it (Mamba2: 15.2 MB, then 16.4 MB;
+# plans from 16.6 MB). At the smallest budgets of the six saved graphs that large whose searches
+# probe (`min_feasible_budget`, then `checkmate.solve` there; two at a time beside the code at half
+# way) they took 194 -> 175 s: Mamba2 75 -> 65 s, DeepSeek-V3 28 -> 19 s (a plan 0.11 points
+# cheaper), Funnel 30 -> 28, Zamba2 15 -> 14, Pegasus-X 21 -> 23, DPT 26 -> 27 (0.02 points
+# dearer); every smallest budget the same; alone, Mamba2 57.2 -> 47.0 s in all and DeepSeek-V3
+# 26.0 -> 18.0 s (benchmarks/results/smallest_budget.txt). Smaller relaxations bisect from half way: their first LP
+# takes seconds, and on a 20-node chain the LP three quarters up, solved from nothing, read no plan
+# where the half-way one's successor did (71 B instead of 69)
+FIRST_PROBE_AT = 0.75
 # the first probe's LP is paired with the next (FirstProbes) on relaxations of this many variables
 # or more (the smallest-peak relaxation's): at the smallest budgets of the 82 saved graphs of
 # benchmarks/certificates.py and unseen_models.py the first probe took 3-30 s above it (Mamba2 30 s,
@@ -153,7 +168,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     Start: the schedule read off the relaxation of the smallest peak (Relaxation with budget None:
     recomputation free), whose optimum is the first bound (or `floor`, a bound known, where that
     is higher). Then bisect between the bound and the best peak found: a probe budget is first
-    tried with `fit` on that schedule's drops, then with the cost relaxation at that budget (its
+    tried with `fit` on that schedule's drops (until the first LP is solved the probe budget lies
+    FIRST_PROBE_AT of the way up, not half), then with the cost relaxation at that budget (its
     plans, `best_guided`; one BudgetProbe for all probes, each LP hot-started from the last, the
     first paired with the next where `paired` and the relaxation is large: FirstProbes);
     when that relaxation's LP is infeasible no schedule fits the probe budget, and the bound
@@ -178,6 +194,7 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
         probes = 0 if rel.model.num_vars > PROBE_MAX_VARIABLES else 16
     pair = paired and rel.model.num_vars >= PAIR_MIN_VARIABLES and _cpus_per_search() >= 2
     lps = FirstProbes(graph, best_peak, pair)
+    first_at = FIRST_PROBE_AT if rel.model.num_vars >= PAIR_MIN_VARIABLES else 0.5
     lo, last = bound, None  # last: the last probe whose plan fitted, and its LP
     for _ in range(probes):
         # within the resolution only once a probe's plan fitted: a probe's plan prices recomputation
@@ -185,7 +202,8 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
         # relaxation, does not (RoBERTa's lowest-peak plan, stopped before any fitted: 65.5% -> 92.0%)
         if best_peak - lo <= (1 if last is None else max(1, PEAK_RESOLUTION * best_peak)):
             break
-        mid = (lo + best_peak) // 2
+        # until the first LP is solved (from nothing, the costliest), FIRST_PROBE_AT of the way up
+        mid = lo + int((first_at if lps.probe is None else 0.5) * (best_peak - lo))
         if lps.ahead is not None and lo < lps.ahead[0] < best_peak:
             mid = lps.ahead[0]  # solved with the first probe, for where that one found no plan
         sched, lp = fit(graph, best_drops, mid, max_rounds=30), None
