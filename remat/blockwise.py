@@ -268,6 +268,10 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
     solver, time_limit_s, solver_kwargs = options.solver, options.time_limit_s, options.solver_kwargs
     found = repeated_blocks(model)
     if not found:
+        # said in a note, as below where no block traces: the step's own message names its line
+        error.add_note("remat found no repeated blocks to plan one by one instead (numbered children of one "
+                       "module, at least two of the same structure, e.g. a ModuleList of layers): the whole "
+                       "step must trace")
         raise error
     names = [n for n, _ in found]
     blocks = [b for _, b in found]

@@ -415,6 +415,28 @@ def test_where_no_block_can_be_planned_the_error_says_why_in_a_note():
     assert "none could be traced either" in notes[0] and "item" in notes[0]
 
 
+class ItemUnlikeBlocksNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([ItemBlock(), nn.Sequential(nn.Linear(32, 32), nn.Tanh())])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+def test_where_no_blocks_repeat_the_error_says_so_in_a_note():
+    """A step that cannot be traced whole and has no repeated blocks (NLLB-MoE with one dense and
+    one sparse layer a stack): its TraceError as it was, with a note saying no repeated blocks were
+    found to plan instead (before: the bare error, where the note of the test above came only once
+    blocks were found)."""
+    with pytest.raises(remat.TraceError, match="item") as e:
+        remat.optimize(ItemUnlikeBlocksNet(), budget_bytes=2**30, example_inputs=(torch.randn(4, 32),), quiet=True)
+    notes = getattr(e.value, "__notes__", [])
+    assert len(notes) == 1 and "no repeated blocks" in notes[0]
+
+
 def test_a_blocks_call_needing_more_than_its_share_is_planned_at_its_smallest_with_a_warning():
     # a block's budget is its share of the step's, set for its example call: a later call needing more
     # (here four times the batch) raised InfeasibleBudgetError mid-training, naming a budget the user
