@@ -440,3 +440,24 @@ def test_good_gap_stops_the_branching_once_no_better_plan_comes():
     assert good.stopped_by == "good gap" and good.lps == 3
     tight = certify(rel, incumbent=incumbent, max_lps=40, good_gap=gap / 10, patience=2)
     assert tight.lps == full.lps and tight.stopped_by == full.stopped_by
+
+
+def test_the_relaxation_milp_stops_where_its_bound_stays_under_the_rows(monkeypatch):
+    """HiGHS's MILP of the relaxation stops where its dual bound is still at or under the rows'
+    bound (here: just under the optimum, a bound its first check cannot have passed) after
+    MIP_UNDER_ROWS_CHECKS of its interrupt checks: FSMT's decoder block spent 14 s there without
+    lifting it. Its bound stays a bound; without a rows' bound it runs to its optimum as before."""
+    from remat.solver.checkmate import branch_and_bound, certified_search as search
+
+    monkeypatch.setattr(branch_and_bound, "STALL", 1)  # the search stalls into the MILP
+    g = training_chain(10, 7)
+    budget = brute_force(g, None, objective="peak")[0] + 2
+    extra = brute_force(g, budget)[0] - g.total_cost
+    free = search.certified_search(g, budget)
+    assert free.details["relaxation_milp"]["status"] == "optimal"
+    assert "stopped_by" not in free.details["relaxation_milp"]
+    monkeypatch.setattr(search, "MIP_UNDER_ROWS_CHECKS", 1)
+    res = search.certified_search(g, budget, other_bound=0.999 * extra)
+    milp = res.details["relaxation_milp"]
+    assert milp["stopped_by"] == "under the rows' bound" and milp["status"] == "limit"
+    assert res.bound <= extra + 1e-9 and res.extra_cost >= extra - 1e-9

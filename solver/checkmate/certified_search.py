@@ -32,7 +32,7 @@ from remat.core.simulator import simulate
 
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "ROOT_UNDER_OTHER_BOUND", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
            "ROOT_WORK_ROWS", "ROOT_MIN_ITERATIONS", "ROOT_EXCHANGE_GAP", "RELAXATION_MAX_NODES", "RELAXATION_MAX_VARIABLES",
-           "MIP_MAX_VARIABLES", "MIP_MAX_NODES", "ROOT_CUTS_GAP", "ROOT_CUTS_MAX_VARIABLES", "ROOT_CUTS_STALL",
+           "MIP_MAX_VARIABLES", "MIP_MAX_NODES", "MIP_UNDER_ROWS_CHECKS", "ROOT_CUTS_GAP", "ROOT_CUTS_MAX_VARIABLES", "ROOT_CUTS_STALL",
            "ROOT_CUTS_MAX_S", "ROOT_CUTS_MIP_GAP", "GOOD_GAP", "GOOD_GAP_PATIENCE", "NO_PLAN_AT_ROOT",
            "READS_SPENT", "BOUND_FLAT"]
 
@@ -133,6 +133,17 @@ ROOT_MIN_ITERATIONS = 100_000  # ... and never fewer than this (a root LP stoppe
 # GPT with the chunked loss head: 36 s in the root node, gap 4.9% either way)
 MIP_MAX_VARIABLES = 12_000
 MIP_MAX_NODES = 200  # ... under a deterministic node limit
+# ... and stopped where its dual bound is still at or under the rows' bound after this many of
+# HiGHS's interrupt checks (deterministic on one thread; the first come every ~0.05-0.1 s here):
+# there its root cuts did not lift it past a bound already proven, and what it could add would
+# come from branching, 200 nodes at most. On the compare.py ResNet and MobileNet at each peer's
+# budget its bound passed the rows' within 2-11 checks; on FSMT's decoder block at its smallest
+# budget (109 nodes, 4.4k variables) it stayed at the relaxation's LP bound, 3% under the rows',
+# for all of its 642 checks (14 s, its root node 13 s; the 20th at 1.8 s), its plans no cheaper
+# than the rows' (FSMT at 0.8 of its eager peak, block by block: 20.8 -> 8.6 s, the same plans).
+# Every plan and gap of benchmarks/compare.py's four models at the peers' budgets (47 solves) is
+# the same with and without the stop
+MIP_UNDER_ROWS_CHECKS = 20
 # Above that size, where the stalled search leaves a gap over ROOT_CUTS_GAP, HiGHS's root node
 # alone (its presolve, reduced-cost fixing and cuts, with the plan's cost as cutoff and no
 # heuristics: only its bound is read) on relaxations up to ROOT_CUTS_MAX_VARIABLES: RegNet's (53k
@@ -311,7 +322,7 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
             and best[1] - bound > mip_gap * best[1]):
         left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - t0)
         if left is None or left > 0:
-            bound = max(bound, _mip(graph, rel, best[0], mip_gap, left, on_solution, details))
+            bound = max(bound, _mip(graph, rel, best[0], mip_gap, left, on_solution, details, other_bound))
     elif (cert.stopped_by == "stalled" and rel.model.num_vars <= ROOT_CUTS_MAX_VARIABLES
           and best[1] - bound > ROOT_CUTS_GAP * best[1]):
         left = ROOT_CUTS_MAX_S
@@ -325,22 +336,32 @@ def _search(graph, budget, starts, mip_gap, max_iterations, time_limit_s, relaxa
     return CertifiedResult(best[0], best[1], min(bound, best[1]), details)
 
 
-def _mip(graph, rel, incumbent, mip_gap, time_limit_s, on_solution, details) -> float:
+def _mip(graph, rel, incumbent, mip_gap, time_limit_s, on_solution, details, other_bound: float = 0.0) -> float:
     """The relaxation solved as a MILP by HiGHS (L and R integral: every schedule in scope is one of
     its points, so its dual bound is a lower bound too), started from the incumbent plan's point;
-    its solution read into plans. Returns its bound in cost units (0: none)."""
+    its solution read into plans; stopped where its bound is still under `other_bound` (the rows',
+    cost units) after MIP_UNDER_ROWS_CHECKS of its interrupt checks. Returns its bound in cost
+    units (0: none)."""
     start = None
     if incumbent is not None:
         try:
             start = point_of_schedule(rel, incumbent)
         except ValueError:  # the plan reorders first computations: not a point of the relaxation
             pass
+    under = [False]
+
+    def under_rows(checks: int, dual_bound: float) -> bool:
+        under[0] = checks >= MIP_UNDER_ROWS_CHECKS and not dual_bound > other_bound / rel.cost_scale
+        return under[0]
+
     sol = rel.model.solve(integral=True, max_nodes=MIP_MAX_NODES, time_limit_s=time_limit_s, mip_gap=mip_gap,
-                          start=start)
+                          start=start, interrupt=under_rows if other_bound > 0 else None)
     if sol.x is not None:
         on_solution(sol.x, sol.objective, force=True)
     bound = safe_bound(rel, sol.bound) if sol.bound is not None and math.isfinite(sol.bound) else 0.0
     details["relaxation_milp"] = {"status": sol.status, "nodes": sol.nodes, "bound": bound, "s": round(sol.seconds, 3)}
+    if under[0]:
+        details["relaxation_milp"]["stopped_by"] = "under the rows' bound"
     if bound > details["certify"]["bound"]:
         details["bound_source"] = (f"MILP of the fine graph's relaxation ({len(rel.groups)} groups, HiGHS, "
                                    f"{sol.nodes} nodes)")

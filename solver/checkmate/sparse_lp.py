@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,16 +146,21 @@ class SparseModel:
     def solve(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
               mip_gap: float = 1e-6, start: np.ndarray | None = None, msg: bool = False,
               cutoff: float | None = None, max_improving: int | None = None,
-              max_iterations: int | None = None, target: float | None = None) -> Solution:
+              max_iterations: int | None = None, target: float | None = None,
+              interrupt: Callable[[int, float], bool] | None = None) -> Solution:
         """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
         start: a feasible point for the MILP to start from (ignored when HiGHS rejects it).
-        cutoff, max_improving, max_iterations, target: see `highs`."""
+        cutoff, max_improving, max_iterations, target: see `highs`. interrupt: for the MILP,
+        called at each of HiGHS's interrupt checks with how many it made so far and its dual bound;
+        True stops it there (status "limit", with its incumbent and bound so far)."""
         t0 = time.perf_counter()
         h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg,
                        cutoff=cutoff, max_improving=max_improving, max_iterations=max_iterations, target=target)
         n = self.num_vars
         if start is not None and integral:
             h.setSolution(n, np.arange(n, dtype=np.int32), np.asarray(start, float))
+        if interrupt is not None and integral:
+            _interrupt_with(h, interrupt)
         _run(h)
         return _solution(h, integral, time.perf_counter() - t0)
 
@@ -192,6 +198,21 @@ class HotLP:
             _run(h)
             sol = _solution(h, False, time.perf_counter() - t0)
         return sol
+
+
+def _interrupt_with(h, interrupt: Callable[[int, float], bool]) -> None:
+    """HiGHS's MILP interrupt checks (deterministic on one thread) handed to `interrupt`."""
+    import highspy
+
+    checks = [0]
+
+    def check(_type, _message, data_out, data_in, _user) -> None:
+        checks[0] += 1
+        if interrupt(checks[0], data_out.mip_dual_bound):
+            data_in.user_interrupt = True
+
+    h.setCallback(check, None)
+    h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
 
 
 def _clip(xs) -> np.ndarray:
