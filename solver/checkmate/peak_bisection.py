@@ -50,14 +50,14 @@ COLD_MAX_ITERATIONS = 30_000
 # it: that LP, from nothing, costs the most (Mamba2: 26 s wherever it is solved; the hot-started ones
 # after it 0.2-16 s), and there the relaxation's bound lies far under the peaks plans reach, so the
 # first probe at half way found no plan and the next went up from it (Mamba2: 15.2 MB, then 16.4 MB;
-# plans from 16.6 MB). At the smallest budgets of the six saved graphs that large whose searches
-# probe (`min_feasible_budget`, then `checkmate.solve` there; two at a time beside the code at half
-# way) they took 194 -> 175 s: Mamba2 75 -> 65 s, DeepSeek-V3 28 -> 19 s (a plan 0.11 points
-# cheaper), Funnel 30 -> 28, Zamba2 15 -> 14, Pegasus-X 21 -> 23, DPT 26 -> 27 (0.02 points
-# dearer); every smallest budget the same; alone, Mamba2 57.2 -> 47.0 s in all and DeepSeek-V3
-# 26.0 -> 18.0 s (benchmarks/results/smallest_budget.txt). Smaller relaxations bisect from half way: their first LP
-# takes seconds, and on a 20-node chain the LP three quarters up, solved from nothing, read no plan
-# where the half-way one's successor did (71 B instead of 69)
+# plans from 16.6 MB). At the smallest budgets of the seven saved graphs that large
+# (`min_feasible_budget`, then `checkmate.solve` there; two at a time beside the code at half way):
+# Mamba2 75 -> 65 s, DeepSeek-V3 28 -> 19 s (a plan 0.11 points cheaper), Funnel 30 -> 28, Zamba2
+# 15 -> 14, Pegasus-X 21 -> 23, DPT 26 -> 27 (0.02 points dearer), SwinV2 15 -> 15 (the same plan);
+# every smallest budget the same. Alone, Mamba2 57.2 -> 47.0 s in all and DeepSeek-V3 26.0 -> 18.0 s
+# (benchmarks/results/smallest_budget.txt). Smaller relaxations bisect from half way: their first
+# LP takes seconds, and on a 20-node chain the LP three quarters up, solved from nothing, read no
+# plan where the half-way one's successor did (71 B instead of 69)
 FIRST_PROBE_AT = 0.75
 # the first probe's LP is paired with the next (FirstProbes) on relaxations of this many variables
 # or more (the smallest-peak relaxation's): at the smallest budgets of the 82 saved graphs of
