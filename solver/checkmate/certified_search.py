@@ -12,7 +12,8 @@ cheaper plan where its bound is under one the rows' rounds proved (READS_SPENT),
 still about the root's (BOUND_FLAT). The plans given
 as `starts` (the other strategies' plans, refined) are incumbents from the start. Where that
 search stops short of its gap on a small relaxation (MIP_MAX_VARIABLES), HiGHS solves the
-relaxation as a MILP from the incumbent's point: its dual bound and the plans read off its solution.
+relaxation as a MILP from the incumbent's point: its dual bound and the plans read off its solution
+(stopped early where its bound stays under the rows', MIP_UNDER_ROWS_CHECKS).
 """
 from __future__ import annotations
 
