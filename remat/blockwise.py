@@ -8,8 +8,10 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
 1. **Blocks**: the model's repeated blocks (`repeated_blocks`: the numbered children of the
    outermost containers that hold at least two children of the same structure, e.g. a ModuleList
    of transformer layers; the units per_block checkpoints). If a block cannot be traced either it
-   runs as it is; if no block can, the TraceError of the whole step is raised as it was, with a note
-   saying why the blocks could not be planned either.
+   runs as it is; if no block can (a data-dependent shape in every one: an MoE's routing), their
+   parts are the units (`block_parts`: the children holding parameters every block has under the
+   same name and structure, its attention and its MLP); if none of those can either, the TraceError
+   of the whole step is raised as it was, with a note saying why the blocks could not be planned.
 2. **Their calls**: one forward of the model records each block's arguments as training passes
    them (which tensors require grad, keyword arguments included); the blocks themselves run under
    no_grad there, their outputs copied as requiring grad as they would. Random state, buffers and
@@ -73,7 +75,7 @@ from remat.solver import get_solver
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import at_once, smallest_feasible, solve
 
-__all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "level_plans",
+__all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "block_parts", "level_plans",
            "plan_blockwise", "DEFAULT_LEVELS", "CALIBRATION_DRAWS"]
 
 DEFAULT_LEVELS = 4  # budgets per distinct block graph, from its lowest peak to keep_all's
@@ -121,6 +123,43 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 found.append((full, child))
                 taken.append(full)
     return found
+
+
+def block_parts(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the parts of the blocks `found` (repeated_blocks'): the children holding
+    parameters that every block has under the same name and structure (a ModuleList's or
+    ModuleDict's entries in its place: they have no forward of their own), in each block's order."""
+    def parts(m: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+        out = []
+        for c, child in m.named_children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                out += parts(child, f"{prefix}{c}.")
+            elif next(child.parameters(), None) is not None:
+                out.append((f"{prefix}{c}", child))
+        return out
+
+    each = [dict(parts(b, "")) for _, b in found]
+    shared = [c for c in each[0] if all(c in p and block_structure(p[c]) == block_structure(each[0][c]) for p in each)]
+    return [(f"{name}.{c}", p[c]) for (name, _), p in zip(found, each) for c in shared]
+
+
+def _traced(blocks: list[nn.Module], calls: list, options: PlanOptions) -> tuple[list[TrainingGraph | None], list[str]]:
+    """Each block's graph traced for its recorded call (None: not called by the forward, or it
+    cannot be traced: it runs as it is), and the first line of each TraceError."""
+    graphs: list[TrainingGraph | None] = []
+    reasons: list[str] = []
+    for b, call in zip(blocks, calls):
+        if call is None:
+            graphs.append(None)  # not called by this forward
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", OutsideBudgetWarning)
+                graphs.append(trace_graph(b, call[0], call[1], options.fused_attention, options.cost_model, quiet=True))
+        except TraceError as e:
+            graphs.append(None)  # this block cannot be traced either: it runs as it is
+            reasons.append(' '.join(str(e).split())[:300])
+    return graphs, reasons
 
 
 def level_plans(graph: TrainingGraph, levels: int, solver: str, time_limit_s: float | None,
@@ -284,22 +323,26 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
         error.add_note(f"{tried}: running the model to record their calls raised {type(e).__name__}: "
                        f"{' '.join(str(e).split())[:300]}")
         raise error from None
-    graphs: list[TrainingGraph | None] = []
-    reasons: list[str] = []
-    for b, call in zip(blocks, calls):
-        if call is None:
-            graphs.append(None)  # not called by this forward
-            continue
+    graphs, reasons = _traced(blocks, calls, options)
+    parts = block_parts(found) if reasons and all(g is None for g in graphs) else []
+    if parts:
+        # no block traces (a data-dependent shape in every one: an MoE's routing, a boolean index):
+        # the parts every block has (its attention, its MLP) are planned one by one instead
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", OutsideBudgetWarning)
-                graphs.append(trace_graph(b, call[0], call[1], options.fused_attention, options.cost_model, quiet=True))
-        except TraceError as e:
-            graphs.append(None)  # this block cannot be traced either: it runs as it is
-            reasons.append(' '.join(str(e).split())[:300])
+            part_calls = record_block_calls(model, [m for _, m in parts], args, kwargs)
+        except Exception:  # noqa: BLE001 - recorded as the blocks were: their failure is said below
+            part_calls = None
+        if part_calls is not None:
+            part_graphs, part_reasons = _traced([m for _, m in parts], part_calls, options)
+            if any(g is not None for g in part_graphs):
+                found, calls, graphs = parts, part_calls, part_graphs
+                names, blocks = [n for n, _ in parts], [m for _, m in parts]
+            else:
+                reasons += part_reasons
     if all(g is None for g in graphs):
         error.add_note(f"{tried}: " + (f"none could be traced either ({reasons[0]})" if reasons
-                                       else "the model's forward called none of them"))
+                                       else "the model's forward called none of them")
+                       + (f", nor their parts ({_names([n for n, _ in parts])})" if parts else ""))
         raise error
     distinct = list(dict.fromkeys(g.fingerprint() for g in graphs if g is not None))
     first = {fp: next(g for g in graphs if g is not None and g.fingerprint() == fp) for fp in distinct}

@@ -387,10 +387,64 @@ def test_a_model_writing_into_a_blocks_output_in_place_is_planned_block_by_block
 class ItemBlock(nn.Module):
     def __init__(self, d: int = 32):
         super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d ** 0.5)  # no parts: no child holds parameters
+
+    def forward(self, h):
+        return h @ self.weight / (1 + h.abs().max().item())  # `.item()`: the block cannot be traced either
+
+
+class ItemPart(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
         self.fc = nn.Linear(d, d)
 
     def forward(self, h):
-        return self.fc(h) / (1 + h.abs().max().item())  # `.item()`: the block cannot be traced either
+        return self.fc(h) / (1 + h.abs().max().item())  # this part cannot be traced either
+
+
+class RoutedBlock(nn.Module):
+    """A block whose routing reads a value back to Python (as an MoE's expert counts do): it cannot
+    be traced, its MLP and its gate can."""
+
+    def __init__(self, d: int = 32, part: type = Block):
+        super().__init__()
+        self.mlp, self.gate = part(d), nn.Linear(d, d)
+
+    def forward(self, h):
+        h = self.mlp(h)
+        scale = 1 + h.detach().abs().max().item()
+        return h + self.gate(h) / scale
+
+
+class RoutedNet(nn.Module):
+    def __init__(self, part: type = Block):
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 5)
+        self.blocks = nn.ModuleList([RoutedBlock(part=part) for _ in range(3)])
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return F.cross_entropy(self.out(h), y)
+
+
+def test_where_no_block_traces_their_parts_are_planned_one_by_one():
+    """A step whose every block reads a value back to Python (X-MOD's boolean index, an MoE's
+    `.tolist()` of its expert counts): the parts every block has (here its MLP and its gate) are
+    planned one by one instead, the rest of each block run as it is; before, the step raised
+    TraceError. Trained against eager over calls of other data and sizes, within the budget."""
+    torch.manual_seed(0)
+    model = RoutedNet()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    budget = _tight(model, (x, y))
+    with pytest.warns(remat.BlockwisePlanWarning, match="6 repeated blocks"):
+        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    assert opt.fit.blocks == [f"blocks.{i}.{p}" for i in range(3) for p in ("mlp", "gate")]
+    assert opt.fit.measured_bytes <= budget
+    _train_both(opt, model, ref, [(x, y), (-x, y), (x[:48], y[:48])], budget)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # the model is left as it was
 
 
 class ItemBlocksNet(nn.Module):
@@ -412,7 +466,14 @@ def test_where_no_block_can_be_planned_the_error_says_why_in_a_note():
         remat.optimize(ItemBlocksNet(), budget_bytes=2**30, example_inputs=(torch.randn(4, 32),), quiet=True)
     notes = getattr(e.value, "__notes__", [])
     assert len(notes) == 1 and "3 repeated blocks (blocks.0, blocks.1, blocks.2) one by one" in notes[0]
-    assert "none could be traced either" in notes[0] and "item" in notes[0]
+    assert "none could be traced either" in notes[0] and "item" in notes[0] and "parts" not in notes[0]
+    # parts that cannot be traced either: the note names them too
+    model = ItemBlocksNet()
+    model.blocks = nn.ModuleList([nn.Sequential(ItemPart()) for _ in range(3)])
+    with pytest.raises(remat.TraceError, match="item") as e:
+        remat.optimize(model, budget_bytes=2**30, example_inputs=(torch.randn(4, 32),), quiet=True)
+    notes = getattr(e.value, "__notes__", [])
+    assert len(notes) == 1 and "nor their parts (blocks.0.0, blocks.1.0, blocks.2.0)" in notes[0]
 
 
 class ItemUnlikeBlocksNet(nn.Module):
