@@ -24,7 +24,8 @@ experts: its over-budget steps one run) from a fourth, then LLaVA and PaliGemma 
 which check their image-token counts) from a fifth, then GraniteMoE-Hybrid (Mamba2, attention, experts) from a
 seventh, then Doge and PatchTST with BatchNorm (views of a kernel's output laid out otherwise than traced) and
 dots.llm1 (the slowest at its smallest budget) from an eighth, then FSMT (block by block) and GLM-4-MoE-Lite (the
-slowest at its smallest budget) from a ninth: small configs (width 64, 2-3 layers,
+slowest at its smallest budget) from a ninth, and X-MOD, JetMoe and SwitchTransformers (no block traces: their parts
+planned one by one): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -337,6 +338,18 @@ def _models() -> dict:
             num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16, n_group=1, topk_group=1, mlp_layer_types=["dense", "sparse", "sparse"],
             pad_token_id=0)), lm),
+        # a data-dependent shape in every block, so no block traces: their parts (attention, MLP) are
+        # planned one by one (remat/blockwise.py block_parts); before, TraceError
+        "xmod": lambda: (tf.XmodForMaskedLM(tf.XmodConfig(
+            **common, languages=["en_XX", "de_DE"], default_language="en_XX", pad_token_id=1)),
+            dict(mlm, lang_ids=torch.zeros(B, dtype=torch.long))),
+        "jetmoe": lambda: (tf.JetMoeForCausalLM(tf.JetMoeConfig(
+            vocab_size=V, hidden_size=W, num_hidden_layers=3, num_key_value_heads=2, kv_channels=16,
+            intermediate_size=2 * W, max_position_embeddings=S + 2, num_local_experts=4, num_experts_per_tok=2)), lm),
+        "switch_transformers": lambda: (tf.SwitchTransformersForConditionalGeneration(tf.SwitchTransformersConfig(
+            vocab_size=V, d_model=W, d_kv=16, d_ff=2 * W, num_layers=4, num_decoder_layers=4, num_heads=4,
+            num_experts=4, expert_capacity=64, encoder_sparse_step=2, decoder_sparse_step=2,
+            decoder_start_token_id=0)), s2s),
     }
 
 
@@ -349,7 +362,7 @@ MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mam
           "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet",
           "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert", "groupvit",
           "xlstm", "deepseek_v2", "jamba", "llava", "paligemma", "granite_hybrid", "doge", "patchtst_batchnorm",
-          "dots1", "fsmt", "glm4_moe_lite")
+          "dots1", "fsmt", "glm4_moe_lite", "xmod", "jetmoe", "switch_transformers")
 
 
 def _loss(out):
