@@ -24,8 +24,8 @@ experts: its over-budget steps one run) from a fourth, then LLaVA and PaliGemma 
 which check their image-token counts) from a fifth, then GraniteMoE-Hybrid (Mamba2, attention, experts) from a
 seventh, then Doge and PatchTST with BatchNorm (views of a kernel's output laid out otherwise than traced) and
 dots.llm1 (the slowest at its smallest budget) from an eighth, then FSMT (block by block) and GLM-4-MoE-Lite (the
-slowest at its smallest budget) from a ninth, and X-MOD, JetMoe and SwitchTransformers (no block traces: their parts
-planned one by one): small configs (width 64, 2-3 layers,
+slowest at its smallest budget) from a ninth, and X-MOD, JetMoe and SwitchTransformers with every layer sparse (no
+block traces: their parts planned one by one): small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -348,7 +348,7 @@ def _models() -> dict:
             intermediate_size=2 * W, max_position_embeddings=S + 2, num_local_experts=4, num_experts_per_tok=2)), lm),
         "switch_transformers": lambda: (tf.SwitchTransformersForConditionalGeneration(tf.SwitchTransformersConfig(
             vocab_size=V, d_model=W, d_kv=16, d_ff=2 * W, num_layers=4, num_decoder_layers=4, num_heads=4,
-            num_experts=4, expert_capacity=64, encoder_sparse_step=2, decoder_sparse_step=2,
+            num_experts=4, expert_capacity=64, encoder_sparse_step=1, decoder_sparse_step=1,
             decoder_start_token_id=0)), s2s),
     }
 

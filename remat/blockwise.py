@@ -9,8 +9,8 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
    outermost containers that hold at least two children of the same structure, e.g. a ModuleList
    of transformer layers; the units per_block checkpoints). If a block cannot be traced either it
    runs as it is; if no block can (a data-dependent shape in every one: an MoE's routing), their
-   parts are the units (`block_parts`: the children holding parameters every block has under the
-   same name and structure, its attention and its MLP); if none of those can either, the TraceError
+   parts are the units (`block_parts`: the children holding parameters whose name and structure
+   recur in at least two blocks, its attention and its MLP); if none of those can either, the TraceError
    of the whole step is raised as it was, with a note saying why the blocks could not be planned.
 2. **Their calls**: one forward of the model records each block's arguments as training passes
    them (which tensors require grad, keyword arguments included); the blocks themselves run under
@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -127,8 +128,10 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def block_parts(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """(name, module) of the parts of the blocks `found` (repeated_blocks'): the children holding
-    parameters that every block has under the same name and structure (a ModuleList's or
-    ModuleDict's entries in its place: they have no forward of their own), in each block's order."""
+    parameters (a ModuleList's or ModuleDict's entries in its place: they have no forward of their
+    own) whose name and structure recur in at least two blocks, as repeated_blocks asks of blocks
+    (an encoder's and a decoder's blocks differ, and a first block may hold a table the others
+    read), in each block's order."""
     def parts(m: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
         out = []
         for c, child in m.named_children():
@@ -138,9 +141,9 @@ def block_parts(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module
                 out.append((f"{prefix}{c}", child))
         return out
 
-    each = [dict(parts(b, "")) for _, b in found]
-    shared = [c for c in each[0] if all(c in p and block_structure(p[c]) == block_structure(each[0][c]) for p in each)]
-    return [(f"{name}.{c}", p[c]) for (name, _), p in zip(found, each) for c in shared]
+    each = [parts(b, "") for _, b in found]
+    count = Counter((c, block_structure(m)) for p in each for c, m in p)
+    return [(f"{name}.{c}", m) for (name, _), p in zip(found, each) for c, m in p if count[c, block_structure(m)] >= 2]
 
 
 def _traced(blocks: list[nn.Module], calls: list, options: PlanOptions) -> tuple[list[TrainingGraph | None], list[str]]:
