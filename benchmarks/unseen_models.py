@@ -339,7 +339,7 @@ def _models() -> dict:
             v_head_dim=16, n_group=1, topk_group=1, mlp_layer_types=["dense", "sparse", "sparse"],
             pad_token_id=0)), lm),
         # a data-dependent shape in every block, so no block traces: their parts (attention, MLP) are
-        # planned one by one (remat/blockwise.py block_parts); before, TraceError
+        # planned one by one (remat/block_calls.py block_parts); before, TraceError
         "xmod": lambda: (tf.XmodForMaskedLM(tf.XmodConfig(
             **common, languages=["en_XX", "de_DE"], default_language="en_XX", pad_token_id=1)),
             dict(mlm, lang_ids=torch.zeros(B, dtype=torch.long))),

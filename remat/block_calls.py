@@ -1,8 +1,10 @@
 """What a model passes its repeated blocks in training (remat/blockwise.py, 2.): the blocks'
-forwards redirected while the model runs, and their calls recorded as training makes them.
+forwards redirected while the model runs, and their calls recorded as training makes them; and the
+blocks' parts, planned where no block traces (`block_parts`).
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch.nn as nn
 
 from remat.compat.torch_private import pytree
 
-__all__ = ["Redirected", "block_structure", "record_block_calls", "cuda_device", "RECORD_FORWARDS"]
+__all__ = ["Redirected", "block_structure", "block_parts", "record_block_calls", "cuda_device", "RECORD_FORWARDS"]
 
 RECORD_FORWARDS = 4  # forwards recording the blocks' calls, at most (remat/blockwise.py, 2.)
 
@@ -19,6 +21,26 @@ RECORD_FORWARDS = 4  # forwards recording the blocks' calls, at most (remat/bloc
 def block_structure(m: nn.Module) -> tuple:
     """What makes two blocks the same: class, parameter names, shapes and dtypes."""
     return (type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()))
+
+
+def block_parts(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the parts of the blocks `found` (repeated_blocks'): the children holding
+    parameters (a ModuleList's or ModuleDict's entries in its place: they have no forward of their
+    own) whose name and structure recur in at least two blocks, as repeated_blocks asks of blocks
+    (an encoder's and a decoder's blocks differ, and a first block may hold a table the others
+    read), in each block's order."""
+    def parts(m: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+        out = []
+        for c, child in m.named_children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                out += parts(child, f"{prefix}{c}.")
+            elif next(child.parameters(), None) is not None:
+                out.append((f"{prefix}{c}", child))
+        return out
+
+    each = [parts(b, "") for _, b in found]
+    count = Counter((c, block_structure(m)) for p in each for c, m in p)
+    return [(f"{name}.{c}", m) for (name, _), p in zip(found, each) for c, m in p if count[c, block_structure(m)] >= 2]
 
 
 class Redirected:

@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import warnings
-from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.block_calls import Redirected, block_structure, cuda_device, record_block_calls
+from remat.block_calls import Redirected, block_parts, block_structure, cuda_device, record_block_calls
 from remat.core.errors import RematWarning
 from remat.compat.torch_private import pytree
 from remat.graph_capture.joint import TraceError
@@ -76,7 +75,7 @@ from remat.solver import get_solver
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import at_once, smallest_feasible, solve
 
-__all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "block_parts", "level_plans",
+__all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "level_plans",
            "plan_blockwise", "DEFAULT_LEVELS", "CALIBRATION_DRAWS"]
 
 DEFAULT_LEVELS = 4  # budgets per distinct block graph, from its lowest peak to keep_all's
@@ -124,26 +123,6 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 found.append((full, child))
                 taken.append(full)
     return found
-
-
-def block_parts(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """(name, module) of the parts of the blocks `found` (repeated_blocks'): the children holding
-    parameters (a ModuleList's or ModuleDict's entries in its place: they have no forward of their
-    own) whose name and structure recur in at least two blocks, as repeated_blocks asks of blocks
-    (an encoder's and a decoder's blocks differ, and a first block may hold a table the others
-    read), in each block's order."""
-    def parts(m: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
-        out = []
-        for c, child in m.named_children():
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                out += parts(child, f"{prefix}{c}.")
-            elif next(child.parameters(), None) is not None:
-                out.append((f"{prefix}{c}", child))
-        return out
-
-    each = [parts(b, "") for _, b in found]
-    count = Counter((c, block_structure(m)) for p in each for c, m in p)
-    return [(f"{name}.{c}", m) for (name, _), p in zip(found, each) for c, m in p if count[c, block_structure(m)] >= 2]
 
 
 def _traced(blocks: list[nn.Module], calls: list, options: PlanOptions) -> tuple[list[TrainingGraph | None], list[str]]:
