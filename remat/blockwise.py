@@ -310,15 +310,15 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
     if parts:
         # no block traces (a data-dependent shape in every one: an MoE's routing, a boolean index):
         # the parts every block has (its attention, its MLP) are planned one by one instead
+        modules = [m for _, m in parts]
         try:
-            part_calls = record_block_calls(model, [m for _, m in parts], args, kwargs)
+            part_calls = record_block_calls(model, modules, args, kwargs)
         except Exception:  # noqa: BLE001 - recorded as the blocks were: their failure is said below
             part_calls = None
         if part_calls is not None:
-            part_graphs, part_reasons = _traced([m for _, m in parts], part_calls, options)
+            part_graphs, part_reasons = _traced(modules, part_calls, options)
             if any(g is not None for g in part_graphs):
-                found, calls, graphs = parts, part_calls, part_graphs
-                names, blocks = [n for n, _ in parts], [m for _, m in parts]
+                names, blocks, calls, graphs = [n for n, _ in parts], modules, part_calls, part_graphs
             else:
                 reasons += part_reasons
     if all(g is None for g in graphs):

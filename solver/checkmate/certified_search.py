@@ -29,6 +29,7 @@ from remat.solver.checkmate.bounds import point_of_schedule, safe_bound
 from remat.solver.checkmate.branch_and_bound import STALL_RISE, certify
 from remat.solver.checkmate.guided import best_guided, exchanged_plan
 from remat.solver.checkmate.relaxation import Relaxation
+from remat.solver.checkmate.sparse_lp import interrupt_with
 from remat.core.simulator import simulate
 
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "ROOT_UNDER_OTHER_BOUND", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
@@ -383,9 +384,8 @@ def _root_cuts(rel, incumbent: float, time_limit_s: float, details, progress) ->
     seen = {"bound": -math.inf, "reports": 0, "flat": 0}
     total = max(rel.graph.total_cost, 1e-12)
 
-    def report(_type, _msg, data_out, data_in, _user) -> None:
-        b = data_out.mip_dual_bound
-        seen["reports"] += 1
+    def report(checks: int, b: float) -> bool:
+        seen["reports"] = checks
         rise = STALL_RISE * (incumbent / cs - seen["bound"]) if math.isfinite(seen["bound"]) else 0.0
         if math.isfinite(b) and (not math.isfinite(seen["bound"]) or b > seen["bound"] + rise):
             seen["flat"] = 0
@@ -395,11 +395,9 @@ def _root_cuts(rel, incumbent: float, time_limit_s: float, details, progress) ->
         if math.isfinite(seen["bound"]):  # the search's line: HiGHS's root node, its bound and gap so far
             progress.note(highs_root=f"{seen['reports']} reports", bound=f"{100 * seen['bound'] * cs / total:.3f}%",
                           gap=f"{100 * (1 - seen['bound'] * cs / incumbent):.2f}%")
-        if seen["flat"] >= ROOT_CUTS_STALL or seen["bound"] >= (1 - ROOT_CUTS_GAP) * incumbent / cs:
-            data_in.user_interrupt = True
+        return seen["flat"] >= ROOT_CUTS_STALL or seen["bound"] >= (1 - ROOT_CUTS_GAP) * incumbent / cs
 
-    h.setCallback(report, None)
-    h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+    interrupt_with(h, report)
     h.run()
     status = h.getModelStatus()
     final = h.getInfo().mip_dual_bound

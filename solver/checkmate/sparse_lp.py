@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SparseModel", "Solution", "HotLP"]
+__all__ = ["SparseModel", "Solution", "HotLP", "interrupt_with"]
 
 
 @dataclass
@@ -160,7 +160,7 @@ class SparseModel:
         if start is not None and integral:
             h.setSolution(n, np.arange(n, dtype=np.int32), np.asarray(start, float))
         if interrupt is not None and integral:
-            _interrupt_with(h, interrupt)
+            interrupt_with(h, interrupt)
         _run(h)
         return _solution(h, integral, time.perf_counter() - t0)
 
@@ -200,8 +200,9 @@ class HotLP:
         return sol
 
 
-def _interrupt_with(h, interrupt: Callable[[int, float], bool]) -> None:
-    """HiGHS's MILP interrupt checks (deterministic on one thread) handed to `interrupt`."""
+def interrupt_with(h, interrupt: Callable[[int, float], bool]) -> None:
+    """HiGHS instance `h`'s MILP interrupt checks (deterministic on one thread) handed to
+    `interrupt(checks so far, dual bound)`; True stops the MILP there."""
     import highspy
 
     checks = [0]
