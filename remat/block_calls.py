@@ -65,6 +65,15 @@ class Redirected:
         return False
 
 
+def _passed_on(t: Any) -> Any:
+    """A block's output as the recording forward passes it on: detached, requiring grad where it did.
+    A copy that requires grad, not the output made a leaf: the model may write into a block's output
+    in place (XLM's `tensor *= mask`), which autograd refuses on a leaf that requires grad."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().requires_grad_().clone() if t.requires_grad else t.detach()
+
+
 def _detached(x: Any) -> Any:
     """A copy of a block's argument as training passes it: tensors detached and copied with their
     strides (a non-contiguous slice stays laid out as the calls will pass it: strides are part of a
@@ -86,8 +95,8 @@ def _detached(x: Any) -> Any:
 
 def record_block_calls(model: nn.Module, blocks: Sequence[nn.Module], args: tuple,
                         kwargs: dict) -> list[tuple[tuple, dict] | None]:
-    """Each block's first (args, kwargs) in a forward of `model` with grad enabled, the blocks run
-    under no_grad (their floating outputs then copied as requiring grad, as in training); where
+    """Each block's first (args, kwargs) in a forward of `model` with grad enabled, each block's
+    outputs passed on detached (requiring grad where they did: one block's autograd graph at a time); where
     that forward skipped blocks, further forwards (RECORD_FORWARDS in all) while each finds one not
     called before, and a block none called takes the call of the nearest block of the same
     structure (None where there is none). RNG state, buffers and gradients are left as they were."""
@@ -99,12 +108,12 @@ def record_block_calls(model: nn.Module, blocks: Sequence[nn.Module], args: tupl
         def record(*a, **k):
             if seen[i] is None:
                 seen[i] = (_detached(a), _detached(k))
-            with torch.no_grad():
-                out = own(*a, **k)
-            # a copy that requires grad, not the output made a leaf: the model may write into a block's
-            # output in place (XLM's `tensor *= mask`), which autograd refuses on a leaf
-            return pytree.tree_map(lambda t: t.requires_grad_().clone() if isinstance(t, torch.Tensor) and
-                                   t.is_floating_point() else t, out)
+            # run with grad, so that each output requires grad exactly where training's does (a
+            # T5 cross-attention's position bias is zeros that require none: copied as requiring
+            # it, every later block's recorded call differed from training's and was planned again
+            # at the first step); the block's autograd graph goes with `out`, one block at a time
+            out = own(*a, **k)
+            return pytree.tree_map(_passed_on, out)
         return record
 
     with untouched(model, cuda_device(model, args, kwargs)), Redirected(blocks, recorder):

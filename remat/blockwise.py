@@ -13,8 +13,9 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
    recur in at least two blocks, its attention and its MLP); if none of those can either, the TraceError
    of the whole step is raised as it was, with a note saying why the blocks could not be planned.
 2. **Their calls**: one forward of the model records each block's arguments as training passes
-   them (which tensors require grad, keyword arguments included); the blocks themselves run under
-   no_grad there, their outputs copied as requiring grad as they would. Random state, buffers and
+   them (which tensors require grad, keyword arguments included); each block's outputs are passed
+   on detached, requiring grad where they did (its autograd graph dropped there, so one block's at
+   a time is held). Random state, buffers and
    gradients are restored after it. Where that forward skipped blocks (LayerDrop,
    `if torch.rand([]) < p: continue`, or a path the data chose), more forwards, drawing on from the
    random state, record them while each finds one not called before (RECORD_FORWARDS in all); a
