@@ -415,3 +415,42 @@ def test_a_tensor_check_of_the_model_stays_in_the_traced_step_and_runs_every_cal
         model(x, bad)
     with pytest.raises(RuntimeError, match="tensor check of the model failed"):
         opt(x, bad)
+
+
+class SquaredNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 37), nn.Dropout(0.1), nn.GELU(), nn.Linear(37, 3))
+
+    def forward(self, x):
+        return self.net(x).pow(2).mean()
+
+
+def test_a_step_traced_again_is_not_probed_again(monkeypatch):
+    """Each op signature's workspace is probed once per process (graph_capture/workspace.py
+    `_MEASURED`): a step traced again (the other loss head, a budget asked again) runs no probe and
+    gets the same workspace and real output storages, node by node."""
+    import remat.graph_capture.workspace as workspace
+
+    ran = []
+    run_cases = workspace.run_cases
+
+    def counting(cases, *args, **kwargs):
+        def each():
+            for case in cases:
+                ran.append(case[0])
+                yield case
+        return run_cases(each(), *args, **kwargs)
+
+    monkeypatch.setattr(workspace, "run_cases", counting)
+    torch.manual_seed(0)
+    # a width no other test uses: its first trace probes
+    model = SquaredNet()
+    x = torch.randn(19, 8)
+    first = remat.capture(model, (x,), quiet=True)
+    probed = len(ran)
+    again = remat.capture(model, (x,), quiet=True)
+    assert probed > 0 and len(ran) == probed
+    assert any(n.workspace_bytes > 0 for n in first.nodes)  # the dropout's mask is drawn as floats on CPU
+    assert ([(n.name, n.out_bytes, n.workspace_bytes) for n in first.nodes]
+            == [(n.name, n.out_bytes, n.workspace_bytes) for n in again.nodes])
