@@ -347,6 +347,16 @@ class RematModule(ModelWrapper):
         self._add(key, step, also=call_key(self.module, args, kwargs, self._device_types)[0])
         return step
 
+    def with_planner(self, planner: CallPlanner) -> "RematModule":
+        """A RematModule of the same model that runs this one's planned steps (the same objects: no
+        trace) and plans the calls it has not seen with `planner` (remat/blockwise.py: a block whose
+        plan at another level is the same schedule keeps its step, under that level's budget)."""
+        other = RematModule(self.module, planner, cache_limit=self.cache_limit)
+        d = other.__dict__
+        d["_steps"], d["_plans"] = OrderedDict(self._steps), dict(self._plans)
+        d["_latest"], d["plan_log"], d["_inductor"] = self._latest, list(self.plan_log), self._inductor
+        return other
+
     def adopt(self, other: "RematModule") -> None:
         """Run `other`'s planned steps from now on: other plans for the same model, traced by
         `remat.optimize(self.module, ..., plan=...)` (e.g. once FSDP2 has sharded this module, under

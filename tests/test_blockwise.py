@@ -297,6 +297,58 @@ def test_blocks_are_recorded_with_the_grad_their_inputs_have_in_training():
     assert [r.how for m in opt.blocks for r in m.plan_log[:1]] == ["saved plan"] * 3
 
 
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(32))
+
+    def forward(self, h):
+        return h * self.scale
+
+
+class MixedNet(nn.Module):
+    """Blocks whose plans differ from level to level, and one-op blocks planned alike at every level."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 5)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.scales = nn.ModuleList([Scale() for _ in range(2)])
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b, s in zip(self.blocks, self.scales):
+            h = s(b(h))
+        h = h / h.abs().max().item()
+        return F.cross_entropy(self.out(h), y)
+
+
+def test_a_block_planned_alike_at_the_level_chosen_is_not_traced_again(monkeypatch):
+    import remat.blockwise as blockwise
+
+    torch.manual_seed(0)
+    model = MixedNet()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    eager = remat.measure_peak(lambda: model(x, y).backward(), resident=[model, x, y])
+    for p in model.parameters():
+        p.grad = None
+    budget = int(1.1 * eager)  # room for the MLP blocks' plans above level 0
+    deployed, levels = [], []
+    deployed_module, level_plans = blockwise.deployed_module, blockwise.level_plans
+    monkeypatch.setattr(blockwise, "deployed_module", lambda b, *a, **k: deployed.append(b) or deployed_module(b, *a, **k))
+    monkeypatch.setattr(blockwise, "level_plans", lambda g, *a, **k: levels.append(level_plans(g, *a, **k)) or levels[-1])
+    with pytest.warns(remat.BlockwisePlanWarning, match="4 repeated blocks"):
+        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    level = opt.fit.level
+    assert level > 0 and len(levels) == 2  # the MLP block's graph and the scale's
+    alike = [ps for ps in levels if ps[level].schedule == ps[0].schedule]
+    assert len(alike) == 1 and len(alike[0][0].graph.nodes) < 10  # the scale's
+    # deployed at level 0, then at the level chosen only the blocks whose schedule differs there
+    assert [id(b) for b in deployed] == [id(b) for b in (*model.blocks, *model.scales, *model.blocks)]
+    _train_both(opt, model, ref, [(x, y), (x[:48], y[:48])], budget)
+
+
 class WithLogits(Net):
     """Net returning its logits beside the loss, as Hugging Face models do."""
 
