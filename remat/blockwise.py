@@ -151,10 +151,12 @@ def level_plans(graph: TrainingGraph, levels: int, solver: str, time_limit_s: fl
     two at a time)."""
     low = smallest_feasible(graph, solver, time_limit_s, **solver_kwargs)
     high = max(get_solver("keep_all")(graph, None).predicted_peak_bytes, low)
-    plans = at_once({j: (lambda j=j: solve(graph, low + (high - low) * j // max(levels - 1, 1), solver=solver,
-                                           time_limit_s=time_limit_s, quiet=True, **solver_kwargs))
-                     for j in range(levels)}, solver_kwargs)
-    return [plans[j] for j in range(levels)]
+    budgets = [low + (high - low) * j // max(levels - 1, 1) for j in range(levels)]
+    # each budget solved once: a block whose smallest feasible budget is keep_all's peak (a small
+    # one) has the same budget at every level
+    plans = at_once({b: (lambda b=b: solve(graph, b, solver=solver, time_limit_s=time_limit_s, quiet=True,
+                                           **solver_kwargs)) for b in dict.fromkeys(budgets)}, solver_kwargs)
+    return [plans[b] for b in budgets]
 
 
 _in_block = contextvars.ContextVar("remat_in_block", default=False)
