@@ -52,9 +52,10 @@ benchmarks/unseen_models.py at half their activation memory: remat.optimize 25 -
 s, the same plans). At the smallest budget already found for the model's head's graph (the budget
 a refusal named, its lowest-peak search cached; within that search's resolution,
 peak_bisection.PEAK_RESOLUTION), where that bound seldom prunes, the chunked head
-is traced before either is solved, and the two graphs are solved at once (solving.at_once: two
-threads, HiGHS lets go of the GIL, each solve the one it would be alone, so the plan kept is the
-same); the winner's head is traced again to be lowered with its plan (dots.llm1 at its smallest
+is traced before either is solved, and the two graphs are solved at once inside that trace
+(solving.at_once: two threads, HiGHS lets go of the GIL, each solve the one it would be alone, so
+the plan kept is the same); a chunked head that wins is lowered in that very trace, a model's head
+that wins is traced again to be lowered with its plan (dots.llm1 at its smallest
 budget: 112.6 -> 53.6 s, `benchmarks/unseen_models.py --smallest --models dots1`). Where the router
 takes no head after all, that trace is the model's own step, planned there alone. Under a budget
 below the smallest one already found for a head's graph (an equal graph: the model traced again at
@@ -176,6 +177,11 @@ class _NotCheaper(Exception):
 class _BothHeads(Exception):
     """The model's head's graph, traced, will have the chunked head weighed against it: the two are
     solved at once (`StepPlanner._best_head`) instead of this trace's solve."""
+
+
+class _ModelHeadCheaper(Exception):
+    """Both heads weighed inside the chunked head's trace, the model's head's plan is the cheaper:
+    it is lowered on a trace of the model's head (`StepPlanner._best_head`)."""
 
 
 def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, decision: Decision,
@@ -378,28 +384,13 @@ class StepPlanner:
                     and (not others or _reused(graph, limit, o, others) is None))
 
         def both_at_once() -> PlannedStep | None:
-            """Both heads solved at once (the module docstring): the planned step of the one whose
-            plan fits with the lower total cost (the model's head on a tie). None where neither
-            fits, or where the router took no head (that trace is the model's own step: planned
-            there, alone, as `tried[False]`)."""
+            """Both heads solved at once (the module docstring), inside the chunked head's trace: the
+            planned step of the one whose plan fits with the lower total cost (the model's head on a
+            tie), the chunked head's lowered in that very trace, the model's head's traced again.
+            None where neither fits, or where the router took no head (that trace is the model's own
+            step: planned there, alone, as `tried[False]`)."""
             choose = self.choose(model, args, kwargs, known=None, others=others, budget=budget,
                                  smallest_on_failure=False)
-
-            def chunked_traced(graph: TrainingGraph) -> tuple[Plan, str]:
-                traced[True] = graph
-                if has_chunked_head(graph):
-                    raise _BothHeads
-                return choose(graph)
-
-            try:  # the router took no head: the model's step, solved alone, not traced again
-                tried[False], tried[True] = planned_step(model, args, kwargs, o, Decision(chunked_traced), call,
-                                                         chunked=True), None
-                return None
-            except InfeasibleBudgetError:
-                tried[False] = tried[True] = None
-                return None
-            except _BothHeads:
-                pass
 
             def solved(g: TrainingGraph) -> tuple[Plan, str] | None:
                 try:
@@ -407,16 +398,38 @@ class StepPlanner:
                 except InfeasibleBudgetError:
                     return None
 
+            weighed: dict[bool, tuple[Plan, str]] = {}
+
+            def chunked_traced(graph: TrainingGraph) -> tuple[Plan, str]:
+                traced[True] = graph
+                if not has_chunked_head(graph):  # the router took no head: the model's step, solved alone
+                    return choose(graph)
+                with progress.quiet(o.quiet):
+                    plans = at_once({c: (lambda g=g: solved(g)) for c, g in ((False, traced[False]), (True, graph))},
+                                    o.solver_kwargs)
+                weighed.update((c, p) for c, p in plans.items() if p is not None)
+                if not weighed:
+                    raise InfeasibleBudgetError("neither loss head's plan fits")
+                if min(weighed, key=lambda c: (weighed[c][0].total_cost, c)):
+                    return weighed[True]
+                raise _ModelHeadCheaper
+
             t0 = time.perf_counter()
-            with progress.quiet(o.quiet):
-                plans = at_once({c: (lambda g=traced[c]: solved(g)) for c in (False, True)}, o.solver_kwargs)
-            seconds = time.perf_counter() - t0
-            fits = {c: p for c, p in plans.items() if p is not None}
-            if not fits:
+            try:
+                first = planned_step(model, args, kwargs, o, Decision(chunked_traced), call, chunked=True)
+            except InfeasibleBudgetError:
                 tried[False] = tried[True] = None
                 return None
-            best = min(fits, key=lambda c: (fits[c][0].total_cost, c))
-            plan, how = fits[best]
+            except _ModelHeadCheaper:
+                first = None
+            if first is not None and not has_chunked_head(traced[True]):  # (not traced again)
+                tried[False], tried[True] = first, None
+                return None
+            if first is not None:  # the chunked head's plan is the cheaper
+                tried[True], tried[False] = first, None
+                return first
+            seconds = time.perf_counter() - t0
+            plan, how = weighed[False]
 
             def planned(g: TrainingGraph) -> tuple[Plan, str]:  # the graph traced again to be lowered
                 try:
@@ -424,10 +437,10 @@ class StepPlanner:
                 except (PlanMismatchError, PlanFileError):  # another trace than the one solved
                     return choose(g)
 
-            chosen = planned_step(model, args, kwargs, o, Decision(planned), call, chunked=best)
+            chosen = planned_step(model, args, kwargs, o, Decision(planned), call, chunked=False)
+            # (the seconds the chunked head's trace and the two solves took, as planning)
             chosen.record = dataclasses.replace(chosen.record, plan_s=chosen.record.plan_s + seconds)
-            tried[best] = chosen
-            tried[not best] = None  # (weighed: not the cheaper)
+            tried[False], tried[True] = chosen, None  # (weighed: not the cheaper)
             return chosen
 
         if mode != "auto" or o.solver != "checkmate":
