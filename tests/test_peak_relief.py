@@ -397,3 +397,24 @@ def test_the_first_lp_probe_lies_three_quarters_of_the_way_up(monkeypatch):
         assert budgets[0] == (floor + top) // 2
         monkeypatch.setattr(bisection, "PAIR_MIN_VARIABLES", 0)
     assert bisected  # some search went on from its first probe
+
+
+def test_a_relaxation_too_large_to_solve_gives_no_schedule_and_the_others_answer(monkeypatch):
+    """Over RELAXATION_MAX_VARIABLES the smallest peak's relaxation is not solved (BigBird-Pegasus,
+    939 nodes: 305k variables, its LP over 5 minutes): the search gives no schedule, the floor given
+    stays its bound, and min_feasible_budget answers with the other candidates' lowest peak, which
+    the relaxation's plan may only have lowered."""
+    import remat.solver.checkmate.lowest_peak as lowest_peak
+    import remat.solver.checkmate.peak_bisection as bisection
+
+    g = transformer_like(2, 0, d=1 << 12)
+    with_relaxation = min_feasible_budget(g)
+    monkeypatch.setattr(bisection, "RELAXATION_MAX_VARIABLES", 10)
+    assert bisection.lowest_peak_search(g, floor=123) == (None, 123)
+    monkeypatch.setattr(lowest_peak, "CLOSE_TO_FLOOR", -1.0)  # the search is reached whatever the others give
+    lowest_peak._LOWEST.clear()
+    without = min_feasible_budget(g)
+    plan = lowest_peak.lowest_peak_plan(g, backend="auto", coarsen_to=DEFAULT_COARSEN_TO,
+                                        limits=lowest_peak.make_limits(None, None, 1e-4, 1))
+    assert "relaxation" not in plan.details["lowest_peak_candidates"]
+    assert without >= with_relaxation and simulate(g, plan.schedule).peak_bytes == without

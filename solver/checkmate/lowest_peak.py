@@ -165,9 +165,10 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
             # the first probes two at a time only with HiGHS on one thread per solve (solving.at_once)
             sched, bound = lowest_peak_search(graph, floor=bound, fitted=probes, paired=limits.threads == 1)
             seen += [("relaxation (a probe)", p) for p in probes]
-            guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
-            seen.append((_SOURCES["relaxation"], guided.schedule))
-            cands.append(_relieved(graph, guided.predicted_peak_bytes, "relaxation", guided))
+            if sched is not None:  # (None: a relaxation too large to solve)
+                guided = plan_from_schedule(graph, sched, strategy="checkmate", budget_bytes=None, status="feasible")
+                seen.append((_SOURCES["relaxation"], guided.schedule))
+                cands.append(_relieved(graph, guided.predicted_peak_bytes, "relaxation", guided))
     else:
         # the rows' low-peak schedule (the whole step's relaxation takes minutes and GBs here)
         rows, bound = _rows_candidate(graph)

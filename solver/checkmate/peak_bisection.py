@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from remat.core.simulator import simulate
 from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.guided import best_guided, drops_at, fit, schedule_from_live
+from remat.solver.checkmate.certified_search import RELAXATION_MAX_VARIABLES
 from remat.solver.checkmate.relaxation import SAFETY, Relaxation
 from remat.solver.checkmate.sparse_lp import HotLP, Solution
 
@@ -162,8 +163,9 @@ class FirstProbes:
 
 
 def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: int = 0,
-                       fitted: list | None = None, paired: bool = True) -> tuple[list[str], int]:
-    """A low-peak schedule, and a proven lower bound on every schedule's peak (bytes).
+                       fitted: list | None = None, paired: bool = True) -> tuple[list[str] | None, int]:
+    """A low-peak schedule, and a proven lower bound on every schedule's peak (bytes); no schedule
+    (None, `floor`) where the relaxation has over RELAXATION_MAX_VARIABLES variables.
 
     Start: the schedule read off the relaxation of the smallest peak (Relaxation with budget None:
     recomputation free), whose optimum is the first bound (or `floor`, a bound known, where that
@@ -179,6 +181,11 @@ def lowest_peak_search(graph: TrainingGraph, probes: int | None = None, floor: i
     many budgets are probed (None: 16, and none on relaxations over PROBE_MAX_VARIABLES). fitted:
     where given, every probe's plan that fitted is appended to it (cheaper at higher peaks)."""
     rel = Relaxation(graph, None)
+    if rel.model.num_vars > RELAXATION_MAX_VARIABLES:
+        # its LP alone would take minutes (BigBird-Pegasus's block-sparse attention, 939 nodes: 305k
+        # variables, over 5 minutes on one core), as the certified search's would: no schedule
+        # from it, the floor given stays the bound
+        return None, floor
     sol = rel.model.solve()
     if sol.x is None:
         return [v.name for v in graph.nodes], floor
