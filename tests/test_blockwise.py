@@ -76,15 +76,24 @@ def _tight(model, inputs, loss=lambda out: out):
     return (low + eager) // 2
 
 
+def _planned_tight(make, make_inputs, match: str = ""):
+    """`make()`'s model (made after seeding 0, its inputs after it) planned block by block at `_tight`'s
+    budget: (the BlockwiseModule, the model, an eager copy of it, the inputs, the budget)."""
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    inputs = make_inputs()
+    budget = _tight(model, inputs)
+    with pytest.warns(remat.BlockwisePlanWarning, match=match):
+        opt = remat.optimize(model, budget_bytes=budget, example_inputs=inputs, quiet=True)
+    return opt, model, ref, inputs, budget
+
+
 @pytest.mark.parametrize("kind", ["branch", "item"])
 def test_a_step_with_data_dependent_python_is_planned_block_by_block(kind):
-    torch.manual_seed(0)
-    model = Net(kind)
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
-    budget = _tight(model, (x, y))
-    with pytest.warns(remat.BlockwisePlanWarning, match="cannot be traced whole.*3 repeated blocks"):
-        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    opt, model, ref, (x, y), budget = _planned_tight(
+        lambda: Net(kind), lambda: (torch.randn(64, 16), torch.randint(0, 5, (64,))),
+        "cannot be traced whole.*3 repeated blocks")
     assert isinstance(opt, BlockwiseModule) and opt.fit.measured_bytes <= budget
     assert opt.fit.blocks == ["blocks.0", "blocks.1", "blocks.2"]
     _train_both(opt, model, ref, [(x, y), (-x, y), (x[:48], y[:48])], budget)
@@ -239,13 +248,8 @@ def test_blocks_called_with_an_expanded_tensor_keep_the_plan_made_for_that_call(
     # a block's recorded call copied the expanded tensor contiguous: the real call was another key,
     # planned again inside the calibration's measurement, whose profiler that planning ended (the
     # step measured at its parameters alone: ProphetNet's plan went 4.6% over its budget)
-    torch.manual_seed(0)
-    model = ExpandedArgs()
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(4, 8, 32), torch.randint(0, 5, (4, 8))
-    budget = _tight(model, (x, y))
-    with pytest.warns(remat.BlockwisePlanWarning):
-        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    opt, model, ref, (x, y), budget = _planned_tight(
+        ExpandedArgs, lambda: (torch.randn(4, 8, 32), torch.randint(0, 5, (4, 8))))
     _train_both(opt, model, ref, [(x, y)], budget)
     planned = [m for m in opt.blocks if m is not None]
     assert planned and all(len(m._steps) == 1 for m in planned), [len(m._steps) for m in planned]
@@ -285,13 +289,8 @@ def test_blocks_are_recorded_with_the_grad_their_inputs_have_in_training():
     # the first block's zero bias then reached the next blocks as requiring grad, unlike training's,
     # so their calls in the calibration step were other keys, traced and solved again there
     # (SwitchTransformers' cross-attentions: 14 s of its 21.6 s)
-    torch.manual_seed(0)
-    model = BiasNet()
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(64, 32), torch.randint(0, 5, (64,))
-    budget = _tight(model, (x, y))
-    with pytest.warns(remat.BlockwisePlanWarning, match="3 repeated blocks"):
-        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    opt, model, ref, (x, y), budget = _planned_tight(
+        BiasNet, lambda: (torch.randn(64, 32), torch.randint(0, 5, (64,))), "3 repeated blocks")
     _train_both(opt, model, ref, [(x, y), (x[:32], y[:32])], budget)
     assert [len(m.plan_log) for m in opt.blocks] == [2, 2, 2], [m.plan_log for m in opt.blocks]
     assert [r.how for m in opt.blocks for r in m.plan_log[:1]] == ["saved plan"] * 3
@@ -532,13 +531,8 @@ def test_where_no_block_traces_their_parts_are_planned_one_by_one():
     `.tolist()` of its expert counts): the parts every block has (here its MLP and its gate) are
     planned one by one instead, the rest of each block run as it is; before, the step raised
     TraceError. Trained against eager over calls of other data and sizes, within the budget."""
-    torch.manual_seed(0)
-    model = RoutedNet()
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
-    budget = _tight(model, (x, y))
-    with pytest.warns(remat.BlockwisePlanWarning, match="6 repeated blocks"):
-        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    opt, model, ref, (x, y), budget = _planned_tight(
+        RoutedNet, lambda: (torch.randn(64, 16), torch.randint(0, 5, (64,))), "6 repeated blocks")
     assert opt.fit.blocks == [f"blocks.{i}.{p}" for i in range(3) for p in ("mlp", "gate")]
     assert opt.fit.measured_bytes <= budget
     _train_both(opt, model, ref, [(x, y), (-x, y), (x[:48], y[:48])], budget)
@@ -601,13 +595,8 @@ def test_a_blocks_call_needing_more_than_its_share_is_planned_at_its_smallest_wi
     # (here four times the batch) raised InfeasibleBudgetError mid-training, naming a budget the user
     # never gave (the share); so did a LayerDrop block the recording forwards skipped, handed the first
     # block's call (an input not requiring grad) and later called with one that does
-    torch.manual_seed(0)
-    model = Net("item")
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(16, 16), torch.randint(0, 5, (16,))
-    budget = _tight(model, (x, y))
-    with pytest.warns(remat.BlockwisePlanWarning):
-        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    opt, model, ref, (x, y), budget = _planned_tight(
+        lambda: Net("item"), lambda: (torch.randn(16, 16), torch.randint(0, 5, (16,))))
     share = opt.blocks[0].plan.budget_bytes
     big = (torch.randn(64, 16), torch.randint(0, 5, (64,)))
     with pytest.warns(remat.BlockBudgetWarning, match="smallest feasible budget"):
