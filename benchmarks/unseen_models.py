@@ -25,7 +25,8 @@ which check their image-token counts) from a fifth, then GraniteMoE-Hybrid (Mamb
 seventh, then Doge and PatchTST with BatchNorm (views of a kernel's output laid out otherwise than traced) and
 dots.llm1 (the slowest at its smallest budget) from an eighth, then FSMT (block by block) and GLM-4-MoE-Lite (the
 slowest at its smallest budget) from a ninth, and X-MOD, JetMoe and SwitchTransformers with every layer sparse (no
-block traces: their parts planned one by one), then LiLT (text and layout) from a tenth: small configs (width 64, 2-3 layers,
+block traces: their parts planned one by one), then LiLT (text and layout) and the decoders slowest at their smallest budgets (Zaya, GLM-MoE-DSA,
+LARA-mini, Qwen3.5) from a tenth: small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -358,6 +359,25 @@ def _models() -> dict:
             max_2d_position_embeddings=128, num_labels=5)),
             dict(input_ids=ids, attention_mask=mask, labels=torch.randint(0, 5, (B, S), generator=g),
                  bbox=torch.sort(torch.randint(0, 100, (B, S, 4), generator=g), -1).values)),
+        # ... and its slowest decoders at their smallest budgets (--smallest): Zaya (951 nodes, the
+        # budget at the rows' floor) and GLM-MoE-DSA (817, 3.2% over it), whose certified searches' root
+        # LPs ran 12 s and 38 s under the rows' bound (certify.py: not run near the floor on a large
+        # relaxation since); LARA-mini and Qwen3.5 (linear attention), whose lowest-peak searches take
+        # the longest
+        "zaya": lambda: (tf.ZayaForCausalLM(tf.ZayaConfig(
+            **common, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=1, router_hidden_size=16, pad_token_id=0)), lm),
+        "glm_moe_dsa": lambda: (tf.GlmMoeDsaForCausalLM(tf.GlmMoeDsaConfig(
+            **common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+            first_k_dense_replace=1, index_topk=16, index_head_dim=16, index_n_heads=2)), lm),
+        "lara_mini": lambda: (tf.LaraMiniForCausalLM(tf.LaraMiniConfig(
+            **common, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, sliding_window=16)), lm),
+        "qwen3_5": lambda: (tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+            **common, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4)), lm),
     }
 
 
@@ -370,7 +390,8 @@ MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mam
           "llama_checkpointed", "gru", "gru_short", "lstm_short", "falcon_mamba", "big_bird_sparse", "prophetnet",
           "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert", "groupvit",
           "xlstm", "deepseek_v2", "jamba", "llava", "paligemma", "granite_hybrid", "doge", "patchtst_batchnorm",
-          "dots1", "fsmt", "glm4_moe_lite", "xmod", "jetmoe", "switch_transformers", "lilt")
+          "dots1", "fsmt", "glm4_moe_lite", "xmod", "jetmoe", "switch_transformers", "lilt",
+          "zaya", "glm_moe_dsa", "lara_mini", "qwen3_5")
 
 
 def _loss(out):

@@ -30,7 +30,7 @@ class PlanDetails(TypedDict, total=False):
     # ---- checkmate: the rows over the budget (solver/checkmate/peak_rows.py) -------------------------------
     peak_rows: dict[str, Any]  # {"rows_over_budget", "solves": [each model's size, status, bound], "bound", "s"}
     bound_source: str  # what gave lower_bound: the rows' models, or which relaxation and its branch and bound, or none
-    certify_skipped: str  # why the certified search did not run (a large graph, a relaxation too large, no plan fits)
+    certify_skipped: str  # why the certified search did not run (a large graph or relaxation, no plan fits, near the floor)
     # ---- checkmate: the certified search (solver/checkmate/certified_search.py) -------------------------
     relaxation: dict[str, Any]  # {"variables", "rows", "dense", ...} of the relaxation's LP
     certify: dict[str, Any]  # {"root_bound", "bound", "lps", "iterations", "stopped_by", "s"}

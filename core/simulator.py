@@ -25,8 +25,8 @@ import numpy as np
 from remat.core.errors import RematError
 from remat.core.training_graph import TrainingGraph
 
-__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "unread_steps", "dead_steps", "forward_end",
-           "parts_read"]
+__all__ = ["SimResult", "ScheduleError", "simulate", "last_reads", "last_read_nodes", "unread_steps", "dead_steps",
+           "forward_end", "parts_read"]
 
 
 class ScheduleError(RematError, ValueError):
@@ -182,6 +182,12 @@ def last_reads(graph: TrainingGraph, schedule: list[str]) -> list[list[tuple[str
             for f in _last_read_keys(tab, _steps(graph, schedule))]
 
 
+def last_read_nodes(graph: TrainingGraph, schedule: list[str]) -> list[list[int]]:
+    """last_reads as node indices, a node once for each of its parts freed (for the plan searches)."""
+    tab = _tables(graph)
+    return [[tab.key_node[key] for key in f] for f in _last_read_keys(tab, _steps(graph, schedule))]
+
+
 def unread_steps(graph: TrainingGraph, schedule: list[str]) -> list[int]:
     """The steps whose every output is freed at the step itself (no later step reads that
     instance), of nodes with no kept output: instances the runtime drops as dead code."""
@@ -194,11 +200,7 @@ def unread_steps(graph: TrainingGraph, schedule: list[str]) -> list[int]:
         n_own = len(own[v])
         if len(f) < n_own or nodes[v].kept_bytes:
             continue
-        freed_own = 0
-        for key in f:
-            if key_node[key] == v:
-                freed_own += 1
-        if freed_own == n_own:
+        if sum(key_node[key] == v for key in f) == n_own:  # every own part freed here
             out.append(s)
     return out
 

@@ -2,7 +2,7 @@
 import pytest
 
 from remat.core.training_graph import Node, TrainingGraph
-from remat.core.simulator import ScheduleError, last_reads, simulate
+from remat.core.simulator import ScheduleError, last_read_nodes, last_reads, simulate
 
 
 def graph(*nodes, resident=100):
@@ -32,6 +32,7 @@ def test_recomputation_frees_first_instance_at_its_last_read():
     # without recomputing, a stays live across b: 110, 130, 115
     assert simulate(g, ["a", "b", "c"]).timeline == (110, 130, 115)
     assert last_reads(g, ["a", "b", "a", "c"]) == [[], [("b", 0), ("a", 0)], [], [("c", 0), ("a", 0)]]
+    assert last_read_nodes(g, ["a", "b", "a", "c"]) == [[], [1, 0], [], [2, 0]]  # the same, as node indices
 
 
 def test_outputs_with_their_own_readers_die_separately():
@@ -39,6 +40,7 @@ def test_outputs_with_their_own_readers_die_separately():
     x = N("x", (), 10, cost=1, out_parts=((8, ("y",)), (2, ("z",))))
     g = graph(x, N("y", ["x"], 1), N("w", (), 4), N("z", ["x", "y", "w"], 1))
     r = simulate(g, ["x", "y", "w", "z"])
+    assert last_read_nodes(g, ["x", "y", "w", "z"]) == [[], [0], [], [3, 0, 1, 2]]  # x once for each part
     # x: 110; y: 111, then x's first output (8) is freed: 103; w: 107; z: 108
     assert r.timeline == (110, 111, 107, 108)
     # as one value, x would stay whole until z: w would run at 115

@@ -486,3 +486,25 @@ def test_no_certified_search_where_the_rows_prove_the_plan_within_the_good_gap(m
     assert not searched and "the rows prove the plan within" in skipped.details["certify_skipped"]
     assert skipped.fits and skipped.extra_cost >= plan.extra_cost - 1e-9
     assert skipped.lower_bound <= plan.extra_cost + 1e-9
+
+
+
+def test_no_certified_search_near_the_peak_floor_on_a_large_relaxation(monkeypatch):
+    """Within NEAR_FLOOR of the rows' floor on the peak, on a relaxation of NEAR_FLOOR_MIN_VARIABLES or
+    more (lowered here), the certified search does not run (Zaya at its smallest budget: a root LP of
+    12 s under the rows' bound), and plan.details says why; a byte further above the floor it runs."""
+    from remat.solver.checkmate import certify
+    from remat.solver.checkmate.peak_rows import peak_floor
+
+    monkeypatch.setattr(certify, "NEAR_FLOOR_MIN_VARIABLES", 0)
+    searched = []
+    real = certify.certified_search
+    monkeypatch.setattr(certify, "certified_search", lambda *a, **k: searched.append(1) or real(*a, **k))
+    g = transformer_like(3, 0, d=1 << 10)
+    near = int((1 + certify.NEAR_FLOOR) * peak_floor(g))
+    assert near >= checkmate.min_feasible_budget(g)
+    plan = checkmate.solve(g, near)
+    assert not searched and "rows' floor" in plan.details["certify_skipped"]
+    assert plan.fits and 0 <= plan.lower_bound <= plan.extra_cost + 1e-9
+    above = checkmate.solve(g, near + 1)
+    assert searched and "certify" in above.details and above.fits

@@ -16,7 +16,9 @@ gap 39.9% -> 23.5%, for ~2 s; Mistral-7B-like at its smallest feasible budget: 0
 On a relaxation over MIP_MAX_VARIABLES those rounds run before the certified search where their
 first is predicted cheap (ROUNDS_FIRST_MAX_ITERATIONS), and where they prove the plan within
 SKIP_SEARCH_GAP the certified search does not run; nor where the rows alone prove it within
-certified_search.GOOD_GAP on such a relaxation (where its branch and bound would stop anyway).
+certified_search.GOOD_GAP on such a relaxation (where its branch and bound would stop anyway); nor,
+on the largest relaxations (NEAR_FLOOR_MIN_VARIABLES), at a budget within NEAR_FLOOR of the rows'
+floor on the peak, where the relaxation's LP bounds under the rows.
 """
 from __future__ import annotations
 
@@ -29,10 +31,10 @@ from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.candidates import Refined
 from remat.solver.checkmate.certified_search import GOOD_GAP, MIP_MAX_VARIABLES, RELAXATION_MAX_NODES, certified_search
 from remat.solver.checkmate.relaxation import Relaxation
-from remat.solver.checkmate.peak_rows import GENERATION_GROWTH, PeakRowsResult, peak_rows_search
+from remat.solver.checkmate.peak_rows import GENERATION_GROWTH, PeakRowsResult, peak_floor, peak_rows_search
 
 __all__ = ["Certificate", "certify", "ROWS_SOURCE", "MORE_ROWS_GAP", "ROUNDS_FIRST_MAX_ITERATIONS",
-           "SKIP_SEARCH_GAP"]
+           "SKIP_SEARCH_GAP", "NEAR_FLOOR", "NEAR_FLOOR_MIN_VARIABLES"]
 
 ROWS_SOURCE = "peak rows: the row models of the steps keep-all puts over the budget"
 # where the certified search leaves a gap over this, the rows' search goes on, adding the rows its
@@ -56,6 +58,18 @@ ROUNDS_FIRST_MAX_ITERATIONS = 10_000
 # -> 3.565% from 4.9%). Not where the rows alone prove it (without rounds): the search found
 # cheaper plans there (BART: 7.938% -> 7.905% from a gap of 1.5%).
 SKIP_SEARCH_GAP = 0.02
+# Within NEAR_FLOOR of the rows' floor on the peak (peak_rows.peak_floor: what every schedule holds
+# at its worst step), on a relaxation of NEAR_FLOOR_MIN_VARIABLES or more, the certified search does
+# not run: there every step is near the budget, the row models (integral) bound what must be
+# recomputed far above the relaxation's LP (fractions of values held), and the root LP from nothing,
+# the costliest one, comes in under the rows' bound with plans dearer than theirs. At the smallest
+# budgets of a tenth round's decoders: Zaya (951 nodes, 88k variables, the budget at the floor) 12 s
+# of its root LP, 62k simplex iterations, for a bound 5% under the rows' and plans 3-4x dearer than
+# the rows'; GLM-MoE-DSA (817 nodes, 153k variables, 3.2% over the floor) 38 s to its root LP's work
+# limit, no plan read there. On smaller relaxations the root is cheap and its cuts can lift the bound
+# (MobileNetV2, 28k variables, at its smallest budget: a gap of 4.5% from HiGHS's root cuts)
+NEAR_FLOOR = 0.05
+NEAR_FLOOR_MIN_VARIABLES = 60_000
 
 
 @dataclass(frozen=True)
@@ -173,6 +187,13 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
             return Certificate(bound, False, plans, rows.details, bound_source=source,
                                certify_skipped=f"the rows' rounds prove the plan within {SKIP_SEARCH_GAP:.0%} of "
                                                f"optimal (the relaxation: {rel.model.num_vars} variables)")
+    if rel.model.num_vars >= NEAR_FLOOR_MIN_VARIABLES and budget_bytes <= (1 + NEAR_FLOOR) * peak_floor(graph):
+        if not first:
+            bound, source = more_rows(bound, source)
+        return Certificate(bound, False, plans, rows.details, bound_source=source,
+                           certify_skipped=f"the budget is within {NEAR_FLOOR:.0%} of the rows' floor on the peak, "
+                                           f"where the relaxation's LP ({rel.model.num_vars} variables) bounds under "
+                                           "the rows")
     left = None if deadline is None else max(0.5, deadline - time.perf_counter())
     # the rows' own bound, not their rounds': where the root LP is far under it the search reads the
     # root's plans and does not branch (certified_search.ROOT_UNDER_OTHER_BOUND, set on that bound);

@@ -20,7 +20,7 @@ search 3.6-4.1%, and the solver's plan 3.565% where it was 3.738% with the greed
 """
 from __future__ import annotations
 
-from remat.core.simulator import SimResult, last_reads, simulate
+from remat.core.simulator import SimResult, last_read_nodes, simulate
 from remat.core.training_graph import TrainingGraph
 
 __all__ = ["exchange", "keep_dropped", "chain_costs", "evaluations", "EVALUATIONS", "EVALUATED_NODES", "CANDIDATES", "ROUNDS"]
@@ -144,13 +144,13 @@ class _Search:
         """The row of `step` (the last first computation at or before it) and the values live
         when it runs (computed, not yet freed)."""
         idx = self.graph.index
-        frees = last_reads(self.graph, sched)
+        frees = last_read_nodes(self.graph, sched)
         live: set[int] = set()
         row = -1
         for s in range(step):
             v = idx[sched[s]]
             row = max(row, v)
             live.add(v)
-            for name, _ in frees[s]:
-                live.discard(idx[name])
+            for u in frees[s]:  # (one by one: a set's bulk removal may resize it, which reorders ties)
+                live.discard(u)
         return max(row, idx[sched[step]]), live

@@ -39,35 +39,43 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
     read would cost more than the memory it holds where memory is plentiful)."""
     nodes = graph.nodes
     inputs = graph.input_indices
+    names = [v.name for v in nodes]
     valid = [False] * len(nodes)
     again = [False] * len(nodes)  # computed again in the backward
     sched: list[str] = []
-    backward = [False]
+    backward = False
 
     def ensure(u: int) -> None:
+        # (a node whose inputs are all valid, the common case, without the stack)
+        if not valid[u] and all(valid[i] for i in inputs[u]):
+            sched.append(names[u])
+            valid[u] = True
+            again[u] = backward
+            return
         stack = [(u, False)]
         while stack:
             w, ready = stack.pop()
             if valid[w]:
                 continue
             if ready:
-                sched.append(nodes[w].name)
+                sched.append(names[w])
                 valid[w] = True
-                again[w] = backward[0]
+                again[w] = backward
                 continue
             stack.append((w, True))
             stack.extend((i, False) for i in inputs[w] if not valid[i])
 
     for t, v in enumerate(nodes):
-        backward[0] = sticky and v.is_backward
-        for u in (before[t] if before else ()):
-            if u < t:
-                valid[u] = False  # a new instance, computed here as the relaxation does
-                ensure(u)
+        backward = sticky and v.is_backward
+        if before:
+            for u in before[t]:
+                if u < t:
+                    valid[u] = False  # a new instance, computed here as the relaxation does
+                    ensure(u)
         for i in inputs[t]:
             if not valid[i]:
                 ensure(i)
-        sched.append(v.name)
+        sched.append(names[t])
         valid[t] = True
         for u in drops[t]:
             if not again[u]:
@@ -160,12 +168,14 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
     computation before the step. None when nothing more can be dropped. chains: a value's
     recomputation cost counts the values it is computed from that are not live there either
     (`chain_cost`), not its own cost alone."""
-    from remat.core.simulator import last_reads
+    from remat.core.simulator import last_read_nodes
 
     nodes, idx = graph.nodes, graph.index
     inputs = [set(ins) for ins in graph.input_indices]
     own = [v.cost for v in nodes]
-    recomputable = graph.recomputable_flags
+    # the values a round may drop, and their recomputation cost per byte (the order they go in)
+    droppable = [r and v.out_bytes > 0 for r, v in zip(graph.recomputable_flags, nodes)]
+    per_byte = [v.cost / v.out_bytes if v.out_bytes > 0 else 0.0 for v in nodes]
     drops = [set(d) for d in drops]
     for _ in range(max_rounds):
         sched = schedule_from_live(graph, drops, prune=False, before=before, sticky=sticky)
@@ -173,7 +183,7 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
         if sim.peak_bytes <= budget:
             sched = prune_unread(graph, sched)
             return (drops, sched) if with_drops else sched
-        frees = last_reads(graph, sched)
+        frees = last_read_nodes(graph, sched)
         live: set[int] = set()
         row, grew = -1, False
         chosen: dict[int, int] = {}  # row -> bytes already dropped there this round
@@ -183,8 +193,8 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
             excess = sim.timeline[s] - budget - chosen.get(row, 0)
             if excess > 0:
                 busy = inputs[v] | {v}
-                cands = sorted((u for u in live if recomputable[u] and u not in drops[row] and u not in busy
-                                and nodes[u].out_bytes > 0), key=lambda u: own[u] / nodes[u].out_bytes)
+                cands = sorted((u for u in live if droppable[u] and u not in drops[row] and u not in busy),
+                               key=per_byte.__getitem__)
                 if chains:
                     cands = _by_chain_cost(graph, cands, live, own)
                 for u in cands:  # the cheapest per byte, until their bytes cover the excess
@@ -195,8 +205,8 @@ def fit(graph: TrainingGraph, drops: list[set[int]], budget: int, max_rounds: in
                     if excess <= 0:
                         break
             live.add(v)
-            for f, _ in frees[s]:
-                live.discard(idx[f])
+            for u in frees[s]:  # (one by one: a set's bulk removal may resize it, which reorders ties)
+                live.discard(u)
         if not grew:
             return None
     return None
