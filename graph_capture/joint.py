@@ -345,8 +345,10 @@ def capture_training_step(model: nn.Module, args: tuple, kwargs: dict | None, fu
         if sig.outputs is None:
             raise TraceError("tracing did not run the model's forward")
         if not joint_needs_autograd(joint):  # traced for inference: no output depends on a parameter
+            hint = ("" if torch.is_grad_enabled() else "; grad is disabled where remat was called (torch.no_grad() or "
+                    "torch.inference_mode()): call it with grad enabled, as the training step runs")
             raise TraceError(f"no output of {name} requires grad (none depends on a parameter "
-                             f"or an input that requires grad): there is no backward pass to plan")
+                             f"or an input that requires grad): there is no backward pass to plan{hint}")
         captured = CapturedStep(joint, step, autocast, name)
         annotate_module_paths(captured.joint_gm, spans)
         yield captured

@@ -209,6 +209,18 @@ def test_nothing_requires_grad_is_an_error():
         raise AssertionError("expected TraceError")
 
 
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
+def test_optimizing_with_grad_disabled_says_so(grad_off):
+    """remat.optimize called under torch.no_grad() or torch.inference_mode() (an evaluation loop's
+    habit) traces no backward: the TraceError says grad was disabled, and with grad on it plans."""
+    model, x = KwargsNet(), torch.randn(4, 32)
+    with grad_off(), pytest.raises(remat.TraceError, match="grad is disabled where remat was called"):
+        remat.optimize(model, example_inputs=(x,), example_kwargs={"target": torch.randn(4, 32)}, solver="keep_all",
+                       quiet=True)
+    assert remat.optimize(model, example_inputs=(x,), example_kwargs={"target": torch.randn(4, 32)},
+                          solver="keep_all", quiet=True).plan.fits
+
+
 def test_the_pipeline_stages_run_as_plain_calls():
     """Capture, decide and lower are plain calls between AOTAutograd's two stages (remat/pipeline.py):
     a plan that recomputes, made outside any callback, compiled and run, gives eager's loss and
