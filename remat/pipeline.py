@@ -56,7 +56,11 @@ is traced before either is solved, and the two graphs are solved at once inside 
 (solving.at_once: two threads, HiGHS lets go of the GIL, each solve the one it would be alone, so
 the plan kept is the same); a chunked head that wins is lowered in that very trace, a model's head
 that wins is traced again to be lowered with its plan (dots.llm1 at its smallest
-budget: 112.6 -> 53.6 s, `benchmarks/unseen_models.py --smallest --models dots1`). Where the router
+budget: 112.6 -> 53.6 s, `benchmarks/unseen_models.py --smallest --models dots1`). Asked again for
+the same call there (remat.optimize called again with the budget a refusal named), the two graphs
+the last planning traced (remat/trace_memo.py) are solved at once before anything is traced, and
+only the cheaper head is traced, its plan lowered only where that trace equals the graph solved on
+(otherwise planned as with nothing remembered): one trace instead of three. Where the router
 takes no head after all, that trace is the model's own step, planned there alone. Under a budget
 below the smallest one already found for a head's graph (an equal graph: the model traced again at
 the budget an InfeasibleBudgetError named, which the other head reached), that head is not solved
@@ -101,6 +105,7 @@ from remat.core.plan import (InfeasibleBudgetError, Plan, PlanFileError, PlanMis
                              plan_from_schedule)
 from remat.core.simulator import ScheduleError, simulate
 from remat.loss_head.router import chunked_loss_mode
+from remat.trace_memo import forget, memo_key, recall, remember
 from remat.solving import (at_once, infeasible_budget, known_smallest_feasible, smallest_feasible_of_each, solve,
                            strategy_options)
 
@@ -179,6 +184,11 @@ class _BothHeads(Exception):
     solved at once (`StepPlanner._best_head`) instead of this trace's solve."""
 
 
+class _StaleMemo(Exception):
+    """The head's trace differs from the graph remembered for it (remat/trace_memo.py), on which
+    its plan was solved: the call is planned as if nothing were remembered."""
+
+
 class _ModelHeadCheaper(Exception):
     """Both heads weighed inside the chunked head's trace, the model's head's plan is the cheaper:
     it is lowered on a trace of the model's head (`StepPlanner._best_head`)."""
@@ -194,10 +204,12 @@ def planned_step(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptio
     if compiled_submodules(model):  # the user asked torch.compile for this model: Inductor runs the plan
         graphs.use_inductor()
     t0 = time.perf_counter()
+    memo = memo_key(model, args, kwargs, options.fused_attention, options.cost_model, chunked)
     with progress.quiet(options.quiet), capture_training_step(model, args, kwargs, options.fused_attention,
                                                               chunked_loss=chunked) as captured:
         with captured.graph_work():
             info = joint_info(captured, options.cost_model)  # trace
+            remember(memo, model, info.graph)
             plan = decision(info.graph)  # decide
             forward_gm, backward_gm = partition_with_plan(info, plan)  # lower
         step = captured.compile(forward_gm, backward_gm, graphs.compilers)
@@ -383,14 +395,13 @@ class StepPlanner:
                     and simulate(graph, keep_all_schedule(graph)).peak_bytes > limit
                     and (not others or _reused(graph, limit, o, others) is None))
 
-        def both_at_once() -> PlannedStep | None:
-            """Both heads solved at once (the module docstring), inside the chunked head's trace: the
-            planned step of the one whose plan fits with the lower total cost (the model's head on a
-            tie), the chunked head's lowered in that very trace, the model's head's traced again.
-            None where neither fits, or where the router took no head (that trace is the model's own
-            step: planned there, alone, as `tried[False]`)."""
-            choose = self.choose(model, args, kwargs, known=None, others=others, budget=budget,
-                                 smallest_on_failure=False)
+        def at_once_choice() -> Callable[[TrainingGraph], tuple[Plan, str]]:
+            return self.choose(model, args, kwargs, known=None, others=others, budget=budget,
+                               smallest_on_failure=False)
+
+        def weighed_at_once(graphs: dict[bool, TrainingGraph]) -> dict[bool, tuple[Plan, str]]:
+            """Each head's plan that fits ({chunked: (plan, how)}), the graphs solved at once."""
+            choose = at_once_choice()
 
             def solved(g: TrainingGraph) -> tuple[Plan, str] | None:
                 try:
@@ -398,19 +409,68 @@ class StepPlanner:
                 except InfeasibleBudgetError:
                     return None
 
+            with progress.quiet(o.quiet):
+                plans = at_once({c: (lambda g=g: solved(g)) for c, g in graphs.items()}, o.solver_kwargs)
+            return {c: p for c, p in plans.items() if p is not None}
+
+        def cheaper(weighed: dict[bool, tuple[Plan, str]]) -> bool:
+            """The head whose plan fits with the lower total cost (the model's head on a tie)."""
+            return min(weighed, key=lambda c: (weighed[c][0].total_cost, c))
+
+        def remembered_at_once() -> PlannedStep | None:
+            """Both heads weighed at once as `both_at_once` would, on the graphs an earlier planning
+            of this very call traced (remat/trace_memo.py: remat.optimize asked again at the budget
+            a refusal named), before either is traced again: only the cheaper head is traced, to be
+            lowered, and only where that trace equals the graph its plan was solved on. None where
+            the memo lacks either graph, the two would not be weighed at once here, neither plan
+            fits, or the trace came out other (then forgotten): planned as without the memo."""
+            keys = {c: memo_key(model, args, kwargs, o.fused_attention, o.cost_model, c) for c in (False, True)}
+            graphs = {c: recall(k, model) for c, k in keys.items()}
+            if (graphs[False] is None or graphs[True] is None or not has_chunked_head(graphs[True])
+                    or not both_heads_solved(graphs[False])):
+                return None
+            t0 = time.perf_counter()
+            weighed = weighed_at_once(graphs)
+            if not weighed:
+                return None
+            head = cheaper(weighed)
+            plan, how = weighed[head]
+            seconds = time.perf_counter() - t0
+
+            def checked(g: TrainingGraph) -> tuple[Plan, str]:
+                if g != graphs[head]:
+                    raise _StaleMemo
+                return rejudge(plan, g), how
+
+            try:
+                chosen = planned_step(model, args, kwargs, o, Decision(checked), call, chunked=head)
+            except _StaleMemo:
+                forget(keys[False])
+                forget(keys[True])
+                return None
+            # (the seconds the two solves took, as planning)
+            chosen.record = dataclasses.replace(chosen.record, plan_s=chosen.record.plan_s + seconds)
+            traced.update(graphs)
+            tried[head], tried[not head] = chosen, None
+            return chosen
+
+        def both_at_once() -> PlannedStep | None:
+            """Both heads solved at once (the module docstring), inside the chunked head's trace: the
+            planned step of the one whose plan fits with the lower total cost (the model's head on a
+            tie), the chunked head's lowered in that very trace, the model's head's traced again.
+            None where neither fits, or where the router took no head (that trace is the model's own
+            step: planned there, alone, as `tried[False]`)."""
+            choose = at_once_choice()
             weighed: dict[bool, tuple[Plan, str]] = {}
 
             def chunked_traced(graph: TrainingGraph) -> tuple[Plan, str]:
                 traced[True] = graph
                 if not has_chunked_head(graph):  # the router took no head: the model's step, solved alone
                     return choose(graph)
-                with progress.quiet(o.quiet):
-                    plans = at_once({c: (lambda g=g: solved(g)) for c, g in ((False, traced[False]), (True, graph))},
-                                    o.solver_kwargs)
-                weighed.update((c, p) for c, p in plans.items() if p is not None)
+                weighed.update(weighed_at_once({False: traced[False], True: graph}))
                 if not weighed:
                     raise InfeasibleBudgetError("neither loss head's plan fits")
-                if min(weighed, key=lambda c: (weighed[c][0].total_cost, c)):
+                if cheaper(weighed):
                     return weighed[True]
                 raise _ModelHeadCheaper
 
@@ -455,6 +515,10 @@ class StepPlanner:
             first = fitting(last)
             if first is not None and first.record.how.startswith("reused"):
                 return first
+        if limit is not None and not tried:
+            remembered = remembered_at_once()
+            if remembered is not None:
+                return with_head_added(remembered)
         try:
             plain = fitting(False, defer=limit is not None)
         except _BothHeads:

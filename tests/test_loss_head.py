@@ -485,6 +485,72 @@ def test_at_the_smallest_budget_found_both_heads_are_solved_at_once(classes, hea
     _close(_loss_grads(opt, params, args), _loss_grads(model, params, args), FP32)
 
 
+@pytest.mark.parametrize("classes, head", [(64, "unchunked"), (512, "chunked")])
+def test_asked_again_at_that_budget_only_the_cheaper_head_is_traced(classes, head, monkeypatch):
+    """remat.optimize asked again for the same call at the smallest budget found for the model's
+    head (as after a refusal) weighs both heads on the graphs the last planning traced
+    (remat/trace_memo.py), then traces only the cheaper head to lower it: the same plan as with
+    nothing remembered, eager's gradients."""
+    from remat import trace_memo
+    from remat.solving import smallest_feasible
+
+    torch.manual_seed(0)
+    model, args = Wide(classes), (torch.randn(256, 64), torch.randint(0, classes, (256,)))
+    budget = smallest_feasible(remat.capture(model, args, quiet=True), "checkmate")
+    trace_memo.clear()
+    first, heads, _ = _heads_traced_and_solved(monkeypatch, model, args, budget)  # remembers both heads
+    assert heads[:2] == [False, True]
+    again, heads, solved = _heads_traced_and_solved(monkeypatch, model, args, budget)
+    want = head == "chunked"
+    assert heads == [want] and sorted(solved) == sorted(set(solved)) and again.plan.details["loss_head"] == head
+    assert again.plan.schedule == first.plan.schedule and again.plan.total_cost == first.plan.total_cost
+    assert again.plan.predicted_peak_bytes <= budget
+    params = list(model.parameters())
+    _close(_loss_grads(again, params, args), _loss_grads(model, params, args), FP32)
+
+
+class Switched(Wide):
+    """Wide with one more tanh where the module-level switch says so: a change of what the model
+    traces to that no call key sees (as an edited forward)."""
+
+    deeper = False
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if Switched.deeper:
+            x = torch.tanh(x)
+        return F.cross_entropy(self.head(x), y)
+
+
+def test_a_remembered_graph_the_model_no_longer_traces_to_plans_nothing(monkeypatch):
+    """Where the model's step traces to another graph than the one remembered for its call (its
+    code changed between two remat.optimize calls, which no call key sees), the plan solved on the
+    remembered graph is not used: the call is traced again and planned as with nothing remembered."""
+    from remat import trace_memo
+    from remat.solving import smallest_feasible
+
+    torch.manual_seed(0)
+    model, args = Switched(64), (torch.randn(256, 64), torch.randint(0, 64, (256,)))
+    old = remat.capture(model, args, quiet=True)
+    budget = smallest_feasible(old, "checkmate")
+    trace_memo.clear()
+    _heads_traced_and_solved(monkeypatch, model, args, budget)  # remembers both heads' graphs
+    Switched.deeper = True
+    try:
+        fresh = remat.capture(model, args, quiet=True)
+        assert fresh != old and smallest_feasible(fresh, "checkmate") == budget
+        opt, heads, _ = _heads_traced_and_solved(monkeypatch, model, args, budget)
+        trace_memo.clear()
+        alone, _, _ = _heads_traced_and_solved(monkeypatch, model, args, budget)
+    finally:
+        Switched.deeper = False
+    # the model's head (the cheaper on the remembered graphs) traced, found other, then planned anew
+    assert heads[0] is False and len(heads) >= 2
+    assert opt.graph == fresh == alone.graph and opt.plan.schedule == alone.plan.schedule
+    assert opt.plan.predicted_peak_bytes <= budget
+
+
 class Softcapped(Wide):
     """Wide with its logits soft-capped (Gemma-2): a cross-entropy the chunked op cannot take."""
 
