@@ -59,8 +59,12 @@ def remember(key: tuple | None, model: nn.Module, graph: TrainingGraph) -> None:
     """Remember `graph` as the trace of `key` (from memo_key, for `model`)."""
     if key is None:
         return
+    try:
+        ref = weakref.ref(model)
+    except TypeError:  # (a class whose __slots__ leave out __weakref__: not remembered)
+        return
     with _LOCK:
-        _MEMO[key] = (weakref.ref(model), graph)
+        _MEMO[key] = (ref, graph)
         _MEMO.move_to_end(key)
         while len(_MEMO) > MEMO_SIZE:
             _MEMO.popitem(last=False)

@@ -54,3 +54,16 @@ def test_the_memo_keeps_no_model_alive_and_forgets_the_oldest():
     assert all(trace_memo.recall(k, m) is not None for m, k in keys[1:])
     trace_memo.forget(keys[-1][1])
     assert trace_memo.recall(keys[-1][1], keys[-1][0]) is None
+
+
+class _Slotted:
+    """A callable without weak references (its __slots__ leave out __weakref__)."""
+
+    __slots__ = ()
+
+
+def test_a_model_without_weak_references_is_not_remembered():
+    trace_memo.clear()
+    model = _Slotted()
+    trace_memo.remember(("key",), model, object())
+    assert trace_memo.recall(("key",), model) is None
