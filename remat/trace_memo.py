@@ -8,7 +8,7 @@ head, then the winner again to be lowered. With the graphs remembered only the w
 and that trace is checked equal to the graph it was solved on (`TrainingGraph` equality: every
 node, size, cost and workspace) before its plan is used; a trace that differs (the model's code
 or an input's values changed what it traces, which the key cannot see) is planned as if nothing
-were remembered. So a remembered graph only ever chooses which head is traced: never a plan.
+were remembered. So a plan is lowered only on a trace equal to the graph it was solved on.
 
 The key is the call's (runtime/module.py `call_key`: shapes, dtypes, modes, frozen parameters,
 autocast, hooks, module settings) with the input tensors' identities and versions, the
