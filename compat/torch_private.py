@@ -20,6 +20,8 @@ Entry points (what each is for):
   `joint_state_names(joint)`, `aot_compile_joint(joint, partition_fn, fw_compiler, bw_compiler)`:
   AOTAutograd in two stages (trace the joint graph; compile it with a given split), so that the
   split is decided between them, outside any callback;
+* `joint_metadata(joint)`: AOTAutograd's metadata of a traced step, written out, to tell whether
+  two traced steps are one function (graph_capture/step_identity.py);
 * `default_partition`, `extract_fwd_bwd_modules`: AOTAutograd's partitioner and its extraction of
   the two graphs;
 * `as_partitioner_runs()`: the grad and autocast modes AOTAutograd runs its partitioner under;
@@ -68,7 +70,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["TESTED_TORCH", "count_grouped_query_attention", "rnn_dropout_between_layers", "pytree", "disable_current_modes", "disable_torch_function", "tensor_base",
            "autograd_sequence_nr", "autocast_supported_devices", "backward_without_autocast",
-           "aot_export_joint", "joint_needs_autograd", "joint_graph", "joint_state_names", "aot_compile_joint",
+           "aot_export_joint", "joint_needs_autograd", "joint_graph", "joint_state_names", "joint_metadata", "aot_compile_joint",
            "as_partitioner_runs", "default_partition", "extract_fwd_bwd_modules",
            "allow_retained_backward", "backward_keeps_graph",
            "is_input_mutation_output", "aot_backward_node", "tangent_output", "compile_session", "profiler_events", "profiler_allocations",
@@ -132,6 +134,13 @@ def joint_graph(joint) -> torch.fx.GraphModule:
 def joint_state_names(joint) -> list[str]:
     """The names of the parameters and buffers the joint graph takes first, in its order."""
     return list(joint.params_spec) + list(joint.buffers_spec)
+
+
+def joint_metadata(joint) -> str:
+    """AOTAutograd's metadata of the traced step (`ViewAndMutationMeta`: which inputs it mutates,
+    which outputs alias inputs, what requires grad), written out: what its runtime wrapper acts on,
+    so two steps are compared on it (graph_capture/step_identity.py)."""
+    return repr(joint._aot_state.fw_metadata)
 
 
 def aot_compile_joint(joint, partition_fn: Callable, fw_compiler: Callable, bw_compiler: Callable) -> Callable:

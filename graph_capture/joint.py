@@ -16,6 +16,7 @@ the old tensors.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -27,18 +28,19 @@ import torch.nn as nn
 
 from remat.core.errors import RematError, RematWarning
 from remat.compat.torch_private import (allow_retained_backward, aot_compile_joint, as_partitioner_runs,
-                                       backward_keeps_graph, joint_graph, joint_needs_autograd, joint_state_names,
-                                       pytree)
+                                       backward_keeps_graph, joint_graph, joint_metadata, joint_needs_autograd,
+                                       joint_state_names, pytree)
 from remat.graph_capture.eager_calls import eager_executable
 from remat.graph_capture.export import TraceError, export_joint
 from remat.graph_capture.module_paths import annotate_module_paths
 from remat.graph_capture.outputs import OutputError, OutputStructure
+from remat.graph_capture.step_identity import StepIdentity, graph_code, placeholder_layouts
 from remat.graph_capture.trace_failures import what_failed
 from remat.graph_capture.traced_state import traced_tensors_not_kept
 from remat.graph_capture.unreached_gradients import gradient_sources, leave_unreached_none
 
 __all__ = ["FlatSignature", "TraceError", "OutputError", "ParameterMismatchError", "DoubleBackwardError",
-           "RetainedGraphWarning", "CompiledStep", "CapturedStep", "run_boxed", "capture_training_step"]
+           "RetainedGraphWarning", "CompiledStep", "CapturedStep", "run_boxed", "capture_training_step", "bound_step"]
 
 
 class ParameterMismatchError(RematError, RuntimeError):
@@ -236,6 +238,20 @@ class CompiledStep:
                 f"were split or joined); call remat.optimize again")
         return tensors
 
+    def bound_to(self, model: nn.Module) -> "CompiledStep":
+        """This compiled step, run with `model`'s parameters and buffers: for a model whose traced step
+        equals this one's (graph_capture/step_identity.py, e.g. another block of the same structure),
+        so it is not traced again. ParameterMismatchError where its state is laid out otherwise."""
+        other = copy.copy(self)
+        other._module = _FlatStep(model, self._module.sig)
+        other._names, tensors = _state_of(other._module)
+        other._meta = [_describe(t) for t in tensors]
+        other._ties = _ties(tensors)
+        if (other._names, other._meta, other._ties) != (self._names, self._meta, self._ties):
+            raise ParameterMismatchError(f"{type(model).__name__}'s parameters and buffers are not laid out as "
+                                         f"those the step was traced with")
+        return other
+
     def __call__(self, *flat: torch.Tensor):
         outs = self._run([*self.current_state(), *flat])
         guard_backward(outs)
@@ -281,6 +297,19 @@ class CapturedStep:
             raise TraceError(f"AOTAutograd lifted the parameters and buffers of {name} in another order than "
                              "remat passes them")
 
+    def identity(self) -> StepIdentity | None:
+        """What this step computes, to compare with another traced step (graph_capture/step_identity.py);
+        None where a constant of its graph cannot be compared. Taken before the graph is rewritten."""
+        code = graph_code(self.joint_gm)
+        if code is None:
+            return None
+        names, tensors = _state_of(self._step)
+        sig = self.sig
+        return StepIdentity(code=code[0], constants=code[1], placeholders=placeholder_layouts(self.joint_gm),
+                            metadata=joint_metadata(self._joint),
+                            signature=(sig.in_spec, sig.constants, sig.tensor_meta, sig.outputs),
+                            state=(names, [_describe(t) for t in tensors], _ties(tensors)), autocast=self._autocast)
+
     @staticmethod
     def graph_work():
         """The context the work on the joint graph runs in (rewrites, measured costs, the split):
@@ -316,6 +345,17 @@ class CapturedStep:
             raise TraceError(f"AOTAutograd compiled the step of {self.name} without asking for its split")
         sources = gradient_sources(joint, n_fwd)
         return guard_autocast(CompiledStep(run, self._step, sources, n_fwd), self._autocast)
+
+
+def bound_step(step: Callable, model: nn.Module) -> Callable | None:
+    """`step` (what `CapturedStep.compile` returned) run with `model`'s parameters and buffers
+    (`CompiledStep.bound_to`), under the same autocast guard; None for a step of another kind."""
+    from remat.graph_capture.autocast_state import guard_autocast
+
+    compiled = getattr(step, "__wrapped__", None)
+    if not isinstance(compiled, CompiledStep) or not hasattr(step, "autocast_state"):
+        return None
+    return guard_autocast(compiled.bound_to(model), step.autocast_state)
 
 
 @contextmanager

@@ -1,6 +1,9 @@
 """When a training step cannot be traced whole: plan its repeated blocks one by one, run the rest as
 it is, and keep the whole step's measured peak under the budget.
 
+Why this file is long: the steps below are one procedure, each later step reading what the earlier
+ones found (the blocks' calls, graphs, identities, plans, and the calibration's draw).
+
 A forward with `if h.mean() > 0:`, an `.item()`, or a loss that calls `.nonzero()` (DeBERTa-v2's)
 has no single graph: its control flow depends on the data. torch.compile breaks the graph there and
 goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block checkpointing does:
@@ -23,6 +26,10 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
 3. **Plans at levels**: every distinct block graph is planned at `levels` budgets, from its
    smallest feasible one (level 0: least memory) to keep_all's peak (no recomputation), the graphs
    and their levels solved two at a time (remat/solving.py `at_once`: Informer 36 -> 23 s).
+   A block is deployed (traced again, its plan lowered) only where no earlier block traced to the
+   same step (graph_capture/step_identity.py: the joint graph's code and constants, its inputs'
+   layouts, its parameters' names and layouts): such a block runs that block's compiled step with
+   its own parameters and buffers (AOTAutograd's step takes them at every call).
 4. **How the blocks' budgets are set**: every block gets its level-0 plan and one calibration step
    of the whole model (forward and backward, on the example inputs, its outputs held through the
    backward as a training loop holds them) measures the step's peak M0 (as `remat.measure_peak`
@@ -70,8 +77,10 @@ from remat.compat.torch_private import pytree
 from remat.graph_capture.joint import TraceError
 from remat.core.training_graph import TrainingGraph
 from remat.runtime.distributed import BlockProfile, block_profile, fit_block_level
-from remat.pipeline import PlanOptions, StepPlanner, deployed_module, trace_graph
-from remat.runtime.module import DEFAULT_CACHE_LIMIT, ModelWrapper, OutsideBudgetWarning, RematModule
+from remat.graph_capture.step_identity import StepIdentity
+from remat.pipeline import PlanOptions, StepPlanner, deployed_module, identified_trace
+from remat.runtime.module import (DEFAULT_CACHE_LIMIT, ModelWrapper, OutsideBudgetWarning, RematModule, call_key,
+                                  model_device_types)
 from remat.solver import get_solver
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import at_once, smallest_feasible, solve
@@ -126,23 +135,35 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _traced(blocks: list[nn.Module], calls: list, options: PlanOptions) -> tuple[list[TrainingGraph | None], list[str]]:
+def _traced(blocks: list[nn.Module], calls: list,
+            options: PlanOptions) -> tuple[list[TrainingGraph | None], list[StepIdentity | None], list[str]]:
     """Each block's graph traced for its recorded call (None: not called by the forward, or it
-    cannot be traced: it runs as it is), and the first line of each TraceError."""
+    cannot be traced: it runs as it is), what each traced step computes (StepIdentity: blocks with
+    equal ones share one compiled step), and the first line of each TraceError."""
     graphs: list[TrainingGraph | None] = []
+    identities: list[StepIdentity | None] = []
     reasons: list[str] = []
     for b, call in zip(blocks, calls):
-        if call is None:
-            graphs.append(None)  # not called by this forward
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", OutsideBudgetWarning)
-                graphs.append(trace_graph(b, call[0], call[1], options.fused_attention, options.cost_model, quiet=True))
-        except TraceError as e:
-            graphs.append(None)  # this block cannot be traced either: it runs as it is
-            reasons.append(' '.join(str(e).split())[:300])
-    return graphs, reasons
+        graph, identity = None, None  # not called by this forward, or it cannot be traced: run as it is
+        if call is not None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", OutsideBudgetWarning)
+                    graph, identity = identified_trace(b, call[0], call[1], options.fused_attention,
+                                                       options.cost_model, quiet=True)
+            except TraceError as e:
+                reasons.append(' '.join(str(e).split())[:300])
+        graphs.append(graph)
+        identities.append(identity)
+    return graphs, identities, reasons
+
+
+def _twins(identities: list[StepIdentity | None], per_block: list) -> list[int]:
+    """For each block, the first block whose traced step is its own (equal StepIdentity) and whose
+    plans are its plans (the same graph): its deployed step runs this block too, with this block's
+    parameters, so this block is not traced again to be deployed. A block's own index where none is."""
+    return [next((j for j in range(i) if ps is not None and ident is not None and per_block[j] is ps
+                  and identities[j] == ident), i) for i, (ident, ps) in enumerate(zip(identities, per_block))]
 
 
 def level_plans(graph: TrainingGraph, levels: int, solver: str, time_limit_s: float | None,
@@ -308,7 +329,7 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
         error.add_note(f"{tried}: running the model to record their calls raised {type(e).__name__}: "
                        f"{' '.join(str(e).split())[:300]}")
         raise error from None
-    graphs, reasons = _traced(blocks, calls, options)
+    graphs, identities, reasons = _traced(blocks, calls, options)
     parts = block_parts(found) if reasons and all(g is None for g in graphs) else []
     if parts:
         # no block traces (a data-dependent shape in every one: an MoE's routing, a boolean index):
@@ -319,9 +340,10 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
         except Exception:  # noqa: BLE001 - recorded as the blocks were: their failure is said below
             part_calls = None
         if part_calls is not None:
-            part_graphs, part_reasons = _traced(modules, part_calls, options)
+            part_graphs, part_identities, part_reasons = _traced(modules, part_calls, options)
             if any(g is not None for g in part_graphs):
-                names, blocks, calls, graphs = [n for n, _ in parts], modules, part_calls, part_graphs
+                names, blocks, calls = [n for n, _ in parts], modules, part_calls
+                graphs, identities = part_graphs, part_identities
             else:
                 reasons += part_reasons
     if all(g is None for g in graphs):
@@ -335,6 +357,7 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
     by_graph = at_once({fp: (lambda fp=fp: level_plans(first[fp], levels, solver, time_limit_s, solver_kwargs))
                         for fp in distinct}, solver_kwargs)
     per_block = [by_graph[g.fingerprint()] if g is not None else None for g in graphs]
+    twins = _twins(identities, per_block)
 
     def deploy(level: int, at_zero: list[RematModule | None] | None = None) -> list[RematModule | None]:
         out = []
@@ -352,6 +375,15 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
                     # 10 of its 14 distinct blocks)
                     out.append(at_zero[i].with_planner(StepPlanner(block_options)))
                     continue
+                twin = out[twins[i]] if twins[i] != i else None
+                if twin is not None:
+                    # a block whose traced step equals an earlier one's runs that one's compiled step
+                    # with its own parameters (SwitchTransformers: 24 of its 48 deploying traces)
+                    key, _ = call_key(b, call[0], call[1], model_device_types(b))
+                    bound = twin.bound_to(b, StepPlanner(block_options), key)
+                    if bound is not None:
+                        out.append(bound)
+                        continue
                 out.append(deployed_module(b, call[0], call[1], block_options, ps[level], cache_limit))
         return out
 

@@ -87,6 +87,7 @@ from remat.graph_capture.build import JointGraphInfo, build_training_graph
 from remat.graph_capture.joint import CapturedStep, capture_training_step
 from remat.graph_capture.op_timing import measured_cost_graph
 from remat.graph_capture.rewrites import prepare_joint_graph
+from remat.graph_capture.step_identity import StepIdentity
 from remat.graph_capture.rng_replay import step_device_type
 from remat.core.training_graph import TrainingGraph
 from remat.deployment import plan_context, rejudge
@@ -109,7 +110,7 @@ from remat.trace_memo import forget, memo_key, recall, remember
 from remat.solving import (at_once, infeasible_budget, known_smallest_feasible, smallest_feasible_of_each, solve,
                            strategy_options)
 
-__all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "deployed_module",
+__all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "identified_trace", "deployed_module",
            "REUSE_TIGHTNESS", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
 
 # A schedule planned for another call serves a new one when its peak there uses at least this share
@@ -560,10 +561,23 @@ def trace_graph(model: nn.Module, args: tuple, kwargs: dict | None, fused_attent
                 cost_model: str = "flops", quiet: bool = False, chunked_loss: bool = False) -> TrainingGraph:
     """The TrainingGraph of one call's training step (nothing compiled); with `chunked_loss`, its
     loss head traced as the chunked op where the router can."""
+    return _trace_step(model, args, kwargs, fused_attention, cost_model, quiet, chunked_loss, identify=False)[0]
+
+
+def identified_trace(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str = True,
+                     cost_model: str = "flops", quiet: bool = False) -> tuple[TrainingGraph, StepIdentity | None]:
+    """trace_graph's graph, and what the traced step computes (graph_capture/step_identity.py): two
+    calls with equal identities can run one compiled step (remat/blockwise.py)."""
+    return _trace_step(model, args, kwargs, fused_attention, cost_model, quiet, False, identify=True)
+
+
+def _trace_step(model: nn.Module, args: tuple, kwargs: dict | None, fused_attention: bool | str, cost_model: str,
+            quiet: bool, chunked_loss: bool, identify: bool) -> tuple[TrainingGraph, StepIdentity | None]:
     with progress.quiet(quiet), capture_training_step(model, args, kwargs, fused_attention,
                                                       chunked_loss=chunked_loss) as captured:
+        identity = captured.identity() if identify else None  # before the graph work rewrites the graph
         with captured.graph_work():
-            return joint_info(captured, cost_model).graph
+            return joint_info(captured, cost_model).graph, identity
 
 
 def deployed_module(model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions, plan: Plan | None = None,

@@ -18,9 +18,13 @@ The planned steps are a cache bounded like torch.compile's recompile limit (`cac
 default): past it the least recently used step is dropped (its plan is kept, so a key seen again
 costs a trace, not a solve) and PlanCacheLimitWarning says so once. `plan_log` records how each key
 was planned and what it cost.
+
+Why this file is long: the key, the cache it indexes and every way a module comes by its planned
+steps (planned, copied, adopted, rebound from an equal module's) are one object's behaviour.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections import OrderedDict
@@ -34,7 +38,7 @@ import torch.nn as nn
 from remat.core.errors import RematWarning
 from remat.compat.torch_private import pytree
 from remat.graph_capture.autocast_state import AutocastState
-from remat.graph_capture.joint import FlatSignature
+from remat.graph_capture.joint import FlatSignature, bound_step
 from remat.runtime.call_state import module_state
 from remat.core.training_graph import TrainingGraph
 from remat.runtime.compile import PlannedGraphs
@@ -355,6 +359,22 @@ class RematModule(ModelWrapper):
         d = other.__dict__
         d["_steps"], d["_plans"] = OrderedDict(self._steps), dict(self._plans)
         d["_latest"], d["plan_log"], d["_inductor"] = self._latest, list(self.plan_log), self._inductor
+        return other
+
+    def bound_to(self, model: nn.Module, planner: CallPlanner, key: CallKey) -> "RematModule | None":
+        """A RematModule of `model` running this module's latest planned step with `model`'s own
+        parameters and buffers for the call `key` (not traced again), and planning the calls it has
+        not seen with `planner`: for a model whose traced step for that call equals this one's
+        (remat/blockwise.py: StepIdentity, blocks of one structure). None where it cannot be rebound."""
+        step = self._steps.get(self._latest)
+        bound = bound_step(step.step, model) if step is not None else None
+        if bound is None:
+            return None
+        record = dataclasses.replace(step.record, call=describe_key(key), how="the step of an equal module",
+                                     trace_s=0.0, plan_s=0.0)
+        other = RematModule(model, planner, (key, dataclasses.replace(step, step=bound, record=record)),
+                            cache_limit=self.cache_limit)
+        other.__dict__["_inductor"] = self._inductor
         return other
 
     def adopt(self, other: "RematModule") -> None:

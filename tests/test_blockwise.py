@@ -293,7 +293,44 @@ def test_blocks_are_recorded_with_the_grad_their_inputs_have_in_training():
         BiasNet, lambda: (torch.randn(64, 32), torch.randint(0, 5, (64,))), "3 repeated blocks")
     _train_both(opt, model, ref, [(x, y), (x[:32], y[:32])], budget)
     assert [len(m.plan_log) for m in opt.blocks] == [2, 2, 2], [m.plan_log for m in opt.blocks]
-    assert [r.how for m in opt.blocks for r in m.plan_log[:1]] == ["saved plan"] * 3
+    # no block solved again: the first two deployed with their plans, the third runs the second's step
+    assert [r.how for m in opt.blocks for r in m.plan_log[:1]] == ["saved plan"] * 2 + ["the step of an equal module"]
+
+
+class AlphaBlock(nn.Module):
+    def __init__(self, alpha: float):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.alpha = alpha
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h)) * self.alpha + h
+
+
+class AlphaNet(nn.Module):
+    """Blocks of one structure whose steps differ only in a Python scalar, which the planner's graph
+    does not see."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 5)
+        self.blocks = nn.ModuleList([AlphaBlock(a) for a in (0.5, 2.0, 2.0, 0.5)])
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        h = h / h.abs().max().item()
+        return F.cross_entropy(self.head(h), y)
+
+
+def test_blocks_share_a_compiled_step_only_where_their_traced_steps_are_equal():
+    opt, model, ref, (x, y), budget = _planned_tight(
+        AlphaNet, lambda: (torch.randn(64, 16), torch.randint(0, 5, (64,))), "4 repeated blocks")
+    assert len({p.graph.fingerprint() for p in opt.fit.plans}) == 1  # one graph for the planner
+    # the second 2.0 block runs the first one's step, the second 0.5 block the first one's
+    assert [m.plan_log[0].how for m in opt.blocks] == ["saved plan"] * 2 + ["the step of an equal module"] * 2
+    _train_both(opt, model, ref, [(x, y), (-x, y), (x[:48], y[:48])], budget)
 
 
 class Scale(nn.Module):
@@ -343,8 +380,10 @@ def test_a_block_planned_alike_at_the_level_chosen_is_not_traced_again(monkeypat
     assert level > 0 and len(levels) == 2  # the MLP block's graph and the scale's
     alike = [ps for ps in levels if ps[level].schedule == ps[0].schedule]
     assert len(alike) == 1 and len(alike[0][0].graph.nodes) < 10  # the scale's
-    # deployed at level 0, then at the level chosen only the blocks whose schedule differs there
-    assert [id(b) for b in deployed] == [id(b) for b in (*model.blocks, *model.scales, *model.blocks)]
+    # deployed at level 0, then at the level chosen only the blocks whose schedule differs there; the
+    # second block of each kind traces to the first one's step and runs it, at every level
+    assert [id(b) for b in deployed] == [id(b) for b in (model.blocks[0], model.scales[0], model.blocks[0])]
+    assert [m.plan_log[0].how for m in opt.blocks] == ["saved plan", "the step of an equal module"] * 2
     _train_both(opt, model, ref, [(x, y), (x[:48], y[:48])], budget)
 
 

@@ -161,6 +161,28 @@ def test_aot_two_stages_give_the_joint_graph_and_run_with_passed_parameters():
         assert not tp.joint_needs_autograd(tp.aot_export_joint(stack, frozen, [torch.randn(4, 3)]))
 
 
+def test_joint_metadata_writes_out_what_the_step_mutates_and_requires_grad():
+    import contextlib
+
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)  # an input mutation AOTAutograd's runtime applies
+            return (self.lin(x),)
+
+    written = []
+    for model in (_Tuple(nn.Linear(3, 2)), _Tuple(nn.Linear(3, 2)), Counts()):
+        with contextlib.ExitStack() as stack:
+            written.append(tp.joint_metadata(tp.aot_export_joint(stack, model, [torch.randn(4, 3)])))
+    assert all(isinstance(w, str) for w in written) and "mutates_data=True" in written[2], _fail(
+        "joint_metadata", written[2][:300])
+    assert written[0] == written[1] != written[2], _fail("joint_metadata", "two equal steps written out differently")
+
+
 def test_as_partitioner_runs_turns_grad_and_autocast_off():
     with torch.autocast("cpu", dtype=torch.bfloat16), tp.as_partitioner_runs():
         assert not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"), _fail(
