@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from remat.compat.torch_private import disable_current_modes, is_fake
 
-__all__ = ["StepIdentity", "graph_code", "placeholder_layouts"]
+__all__ = ["StepIdentity", "graph_code", "placeholder_layouts", "first_equal"]
 
 
 @dataclass(frozen=True, eq=True)
@@ -95,3 +95,12 @@ def placeholder_layouts(gm: fx.GraphModule) -> tuple:
         else:
             out.append(repr(val))
     return tuple(out)
+
+
+def first_equal(identities: list[StepIdentity | None], plans: list) -> list[int]:
+    """For each traced step, the index of the first one whose identity equals its own and whose
+    `plans` entry is the same object (the plans made for one graph), so that its compiled step can
+    run this one with this one's parameters; its own index where there is none (None identities and
+    None plans match nothing)."""
+    return [next((j for j in range(i) if ps is not None and ident is not None and plans[j] is ps
+                  and identities[j] == ident), i) for i, (ident, ps) in enumerate(zip(identities, plans))]

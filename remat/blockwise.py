@@ -77,10 +77,9 @@ from remat.compat.torch_private import pytree
 from remat.graph_capture.joint import TraceError
 from remat.core.training_graph import TrainingGraph
 from remat.runtime.distributed import BlockProfile, block_profile, fit_block_level
-from remat.graph_capture.step_identity import StepIdentity
-from remat.pipeline import PlanOptions, StepPlanner, deployed_module, identified_trace
-from remat.runtime.module import (DEFAULT_CACHE_LIMIT, ModelWrapper, OutsideBudgetWarning, RematModule, call_key,
-                                  model_device_types)
+from remat.graph_capture.step_identity import StepIdentity, first_equal
+from remat.pipeline import PlanOptions, StepPlanner, deployed_as, identified_trace
+from remat.runtime.module import DEFAULT_CACHE_LIMIT, ModelWrapper, OutsideBudgetWarning, RematModule
 from remat.solver import get_solver
 from remat.core.plan import InfeasibleBudgetError, Plan
 from remat.solving import at_once, smallest_feasible, solve
@@ -156,14 +155,6 @@ def _traced(blocks: list[nn.Module], calls: list,
         graphs.append(graph)
         identities.append(identity)
     return graphs, identities, reasons
-
-
-def _twins(identities: list[StepIdentity | None], per_block: list) -> list[int]:
-    """For each block, the first block whose traced step is its own (equal StepIdentity) and whose
-    plans are its plans (the same graph): its deployed step runs this block too, with this block's
-    parameters, so this block is not traced again to be deployed. A block's own index where none is."""
-    return [next((j for j in range(i) if ps is not None and ident is not None and per_block[j] is ps
-                  and identities[j] == ident), i) for i, (ident, ps) in enumerate(zip(identities, per_block))]
 
 
 def level_plans(graph: TrainingGraph, levels: int, solver: str, time_limit_s: float | None,
@@ -357,7 +348,7 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
     by_graph = at_once({fp: (lambda fp=fp: level_plans(first[fp], levels, solver, time_limit_s, solver_kwargs))
                         for fp in distinct}, solver_kwargs)
     per_block = [by_graph[g.fingerprint()] if g is not None else None for g in graphs]
-    twins = _twins(identities, per_block)
+    twins = first_equal(identities, per_block)
 
     def deploy(level: int, at_zero: list[RematModule | None] | None = None) -> list[RematModule | None]:
         out = []
@@ -375,16 +366,10 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
                     # 10 of its 14 distinct blocks)
                     out.append(at_zero[i].with_planner(StepPlanner(block_options)))
                     continue
+                # a block whose traced step equals an earlier one's runs that one's compiled step with
+                # its own parameters (SwitchTransformers: 12 of its 24 deploying traces spared)
                 twin = out[twins[i]] if twins[i] != i else None
-                if twin is not None:
-                    # a block whose traced step equals an earlier one's runs that one's compiled step
-                    # with its own parameters (SwitchTransformers: 24 of its 48 deploying traces)
-                    key, _ = call_key(b, call[0], call[1], model_device_types(b))
-                    bound = twin.bound_to(b, StepPlanner(block_options), key)
-                    if bound is not None:
-                        out.append(bound)
-                        continue
-                out.append(deployed_module(b, call[0], call[1], block_options, ps[level], cache_limit))
+                out.append(deployed_as(twin, b, call[0], call[1], block_options, ps[level], cache_limit))
         return out
 
     planned = deploy(0)

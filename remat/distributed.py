@@ -13,7 +13,9 @@ chosen so that each rank's measured peak stays under B:
 2. rank `solve_on_rank` solves every distinct block graph at `levels` budgets, from its
    lowest-memory plan (level 0) to no recomputation, and broadcasts the plans;
 3. every block is replaced by its RematModule at level 0, then sharded (`fsdp_kwargs` go to
-   `fully_shard`), the root last;
+   `fully_shard`), the root last; a block whose traced step equals an earlier block's
+   (graph_capture/step_identity.py: a model's identical layers) runs that block's compiled step
+   with its own parameters instead of being traced again, here and in 5.;
 4. one calibration step measures the per-rank peak at level 0 (the largest over the ranks), with
    FSDP2's real memory: sharded parameters and gradients, the all-gathered blocks, the root's
    parameters, gradients and activations. RNG state, buffers and gradients are restored after it,
@@ -43,10 +45,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.api import capture
 from remat.blockwise import level_plans
+from remat.graph_capture.step_identity import first_equal
 from remat.measure import measure_peak
-from remat.pipeline import PlanOptions, deployed_module
+from remat.pipeline import PlanOptions, deployed_as, identified_trace
 from remat.runtime.distributed import BlockProfile, block_profile, broadcast_plans, ddp_reserved_bytes, fit_block_level
 from remat.runtime.module import OutsideBudgetWarning, RematModule
 from remat.core.plan import Plan
@@ -197,7 +199,8 @@ def _fully_shard_with_remat(model, blocks, example_inputs, budget_bytes, budget_
 
     # 1-2. each block's graph; plans for every distinct graph at every level, solved on one rank
     seen_inputs = block_inputs(model, blocks, inputs, kwargs)
-    graphs = [capture(b, a, k) for b, (a, k) in zip(blocks, seen_inputs)]
+    traced = [identified_trace(b, a, k) for b, (a, k) in zip(blocks, seen_inputs)]
+    graphs = [g for g, _ in traced]
     distinct = list(dict.fromkeys(g.fingerprint() for g in graphs))
     first = {fp: next(g for g in graphs if g.fingerprint() == fp) for fp in distinct}
 
@@ -207,20 +210,23 @@ def _fully_shard_with_remat(model, blocks, example_inputs, budget_bytes, budget_
     flat_plans = broadcast_plans(make, src=solve_on_rank)
     by_graph = {fp: flat_plans[i * levels:(i + 1) * levels] for i, fp in enumerate(distinct)}
     per_block = [by_graph[g.fingerprint()] for g in graphs]
+    # a block whose traced step equals an earlier one's runs that one's compiled step (not traced again)
+    twins = first_equal([i for _, i in traced], per_block)
     profiles: list[list[BlockProfile]] = [[block_profile(g, p) for p in ps] for g, ps in zip(graphs, per_block)]
     gathered = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks)
 
-    def block_module(b: nn.Module, a: tuple, k: dict, plan: Plan) -> RematModule:
+    def block_module(i: int, b: nn.Module, plan: Plan, made: list[RematModule]) -> RematModule:
         # later kinds of call planned with the same solver, under the plan's budget as the block's
         # share of the step's (PlanOptions.block_share: one no plan fits is planned at its smallest)
         options = PlanOptions(budget_bytes=plan.budget_bytes, solver=solver, time_limit_s=time_limit_s,
                               solver_options=tuple(solver_kwargs.items()), quiet=True, block_share=True)
-        return deployed_module(b, a, k, options, plan)
+        a, k = seen_inputs[i]
+        return deployed_as(made[twins[i]] if twins[i] != i else None, b, a, k, options, plan)
 
     # 3. level 0 deployed, then sharded as torchtitan shards: each block, then the root
     remats: list[RematModule] = []
-    for b, (a, k), ps in zip(blocks, seen_inputs, per_block):
-        r = block_module(b, a, k, ps[0])
+    for i, (b, ps) in enumerate(zip(blocks, per_block)):
+        r = block_module(i, b, ps[0], remats)
         _replace(model, b, r)
         remats.append(r)
     for r in remats:
@@ -231,10 +237,12 @@ def _fully_shard_with_remat(model, blocks, example_inputs, budget_bytes, budget_
     measured = _calibrate(model, inputs, kwargs, loss_fn)
     level, bound = fit_block_level(measured, gathered, budget, profiles)
     if level > 0:
-        for r, (a, k), ps in zip(remats, seen_inputs, per_block):
+        adopted: list[RematModule] = []
+        for i, (r, ps) in enumerate(zip(remats, per_block)):
             r.unshard()
             try:
-                r.adopt(block_module(r.module, a, k, ps[level]))
+                adopted.append(block_module(i, r.module, ps[level], adopted))
+                r.adopt(adopted[-1])
             finally:
                 r.reshard()
     return ShardedPlan(budget_bytes=budget, calibrated_peak_bytes=measured, margin_bytes=gathered, level=level,

@@ -111,6 +111,7 @@ from remat.solving import (at_once, infeasible_budget, known_smallest_feasible, 
                            strategy_options)
 
 __all__ = ["PlanOptions", "joint_info", "Decision", "StepPlanner", "planned_step", "trace_graph", "identified_trace", "deployed_module",
+           "deployed_as",
            "REUSE_TIGHTNESS", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
 
 # A schedule planned for another call serves a new one when its peak there uses at least this share
@@ -589,3 +590,17 @@ def deployed_module(model: nn.Module, args: tuple, kwargs: dict, options: PlanOp
     first = planner.plan_call(model, args, kwargs, known=plan, others=[], call=describe_key(key))
     after, _ = call_key(model, args, kwargs, model_device_types(model))  # attributes the trace changed
     return RematModule(model, planner, (key, first, after), cache_limit=cache_limit)
+
+
+def deployed_as(twin: RematModule | None, model: nn.Module, args: tuple, kwargs: dict, options: PlanOptions,
+                plan: Plan, cache_limit: int = DEFAULT_CACHE_LIMIT) -> RematModule:
+    """deployed_module's RematModule of `model` for its example call under `plan`; where `twin` is given
+    (the RematModule of a model whose traced step for its own call equals this one's:
+    graph_capture/step_identity.py, blocks of one structure), `twin`'s step bound to `model`'s
+    parameters and buffers instead, not traced again (RematModule.bound_to)."""
+    if twin is not None:
+        key, _ = call_key(model, args, kwargs, model_device_types(model))
+        bound = twin.bound_to(model, StepPlanner(options), key)
+        if bound is not None:
+            return bound
+    return deployed_module(model, args, kwargs, options, plan, cache_limit)

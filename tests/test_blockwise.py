@@ -361,6 +361,7 @@ class MixedNet(nn.Module):
 
 def test_a_block_planned_alike_at_the_level_chosen_is_not_traced_again(monkeypatch):
     import remat.blockwise as blockwise
+    import remat.pipeline as pipeline
 
     torch.manual_seed(0)
     model = MixedNet()
@@ -371,8 +372,8 @@ def test_a_block_planned_alike_at_the_level_chosen_is_not_traced_again(monkeypat
         p.grad = None
     budget = int(1.1 * eager)  # room for the MLP blocks' plans above level 0
     deployed, levels = [], []
-    deployed_module, level_plans = blockwise.deployed_module, blockwise.level_plans
-    monkeypatch.setattr(blockwise, "deployed_module", lambda b, *a, **k: deployed.append(b) or deployed_module(b, *a, **k))
+    deployed_module, level_plans = pipeline.deployed_module, blockwise.level_plans
+    monkeypatch.setattr(pipeline, "deployed_module", lambda b, *a, **k: deployed.append(b) or deployed_module(b, *a, **k))
     monkeypatch.setattr(blockwise, "level_plans", lambda g, *a, **k: levels.append(level_plans(g, *a, **k)) or levels[-1])
     with pytest.warns(remat.BlockwisePlanWarning, match="4 repeated blocks"):
         opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)

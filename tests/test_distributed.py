@@ -112,7 +112,9 @@ def _fsdp_job(rank: int) -> dict:
                                      solver="equal_spacing", levels=6)
     out = dict(budget=budget, ref_peaks=ref_peaks, level=sharded.level, bound=sharded.bound_bytes,
                calibrated=sharded.calibrated_peak_bytes, margin=sharded.margin_bytes,
-               recomputed=[len(p.recomputed) for p in sharded.plans])
+               recomputed=[len(p.recomputed) for p in sharded.plans],
+               # the three layers trace to one step: the first one's runs the other two
+               hows=[m.plan_log[0].how for m in model.h])
     out["peaks"] = _train(model, model, (idx, tgt), rank, resident)
     # the reference trained 3 steps already: train a fresh one to compare after the same 3 steps
     fresh = default_model(cfg)
@@ -198,6 +200,7 @@ def test_fsdp2_blocks_planned_before_sharding_fit_the_budget_per_rank(tmp_path):
     ranks = _spawn("_fsdp", tmp_path)
     for r, res in enumerate(ranks):
         assert res["level"] == ranks[0]["level"] and all(n > 0 for n in res["recomputed"])
+        assert res["hows"] == ["saved plan"] + ["the step of an equal module"] * 2, res["hows"]
         assert max(res["peaks"]) <= res["bound"] <= res["budget"], (r, res)
         assert max(res["peaks"]) < min(res["ref_peaks"])
         assert res["same_as_ref"], (r, res["param_diff"])

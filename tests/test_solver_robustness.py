@@ -272,7 +272,7 @@ def test_smallest_budget_is_accepted_even_if_a_second_search_would_differ(monkey
     """By construction, not by luck of the limits: the min-peak MILP answers once, then (as a
     time-limited search on a busier machine could) finds nothing; solve still accepts the budget
     reported, because it falls back to the same lowest-peak plan."""
-    g = random_dag(50, 4)
+    g = random_dag(50, 0)  # its relieved equal_spacing plan peaks over the rows' floor: the MILP runs
     real, calls = lowest_peak.min_peak_plan, []
 
     def once(*a, **kw):
@@ -289,6 +289,40 @@ def test_smallest_budget_is_accepted_even_if_a_second_search_would_differ(monkey
     assert len(calls) == 1  # the lowest-peak plan is kept: the second solve did not search again
     # the lowest-peak plan answers, unless the relaxation's or the rows' search found one at least as good
     assert plan.details["refined_from"] in ("lowest_peak", "relaxation", "peak_rows")
+
+
+def test_the_min_peak_milp_does_not_run_where_equal_spacing_reaches_the_floor(monkeypatch):
+    """Where equal_spacing's plan, relieved, peaks at the rows' floor (no schedule peaks lower), the
+    min-peak MILP is not run, and the smallest budget is that floor; elsewhere it runs."""
+    from remat.solver.checkmate.peak_rows import peak_floor
+
+    real, calls = lowest_peak.min_peak_plan, []
+    monkeypatch.setattr(lowest_peak, "min_peak_plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = random_dag(50, 4)  # 100 nodes, coarsened to 50 for the MILP
+    with pytest.raises(InfeasibleBudgetError) as e:
+        api.solve(g, g.resident_bytes + 1, coarsen_to=50)
+    assert calls == [] and e.value.min_feasible_bytes == peak_floor(g)
+    other = random_dag(50, 0)  # over the floor: the MILP runs
+    with pytest.raises(InfeasibleBudgetError):
+        api.solve(other, other.resident_bytes + 1, coarsen_to=50)
+    assert calls == [1]
+
+
+def test_at_the_smallest_budget_the_lowest_peak_plan_stands_in_for_a_cold_milp():
+    """No heuristic fits at the smallest feasible budget: on a coarse graph over COLD_MILP_MAX_NODES
+    the MILP, without a start, could run to its node limit for nothing; the lowest-peak search's
+    plan is the candidate instead, and it fits."""
+    from remat.solver.checkmate.candidates import COLD_MILP_MAX_NODES
+
+    g = random_dag(50, 0)  # 100 nodes, coarsened to 50
+    assert 50 > COLD_MILP_MAX_NODES
+    with pytest.raises(InfeasibleBudgetError) as e:
+        api.solve(g, g.resident_bytes + 1, coarsen_to=50)
+    m = e.value.min_feasible_bytes
+    plan = api.solve(g, m, coarsen_to=50)
+    _fits(g, plan, m)
+    assert plan.details["milp"].startswith("not run: no heuristic fits"), plan.details["milp"]
+    assert plan.details["refined_from"] == "lowest_peak"
 
 
 def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
@@ -325,7 +359,7 @@ def test_smallest_budget_is_accepted_when_every_backend_fails(monkeypatch):
         raise BackendError(f"{backend}: simulated crash")
 
     monkeypatch.setattr(milp_attempts, "run_backend", broken)
-    g = random_dag(30, 5)
+    g = random_dag(30, 0)  # its relieved equal_spacing plan peaks over the rows' floor: the min-peak MILP runs
     with pytest.warns(SolverFallbackWarning):
         with pytest.raises(InfeasibleBudgetError) as e:
             api.solve(g, g.resident_bytes + 1, coarsen_to=20)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from remat.core.plan import Plan
@@ -20,9 +21,16 @@ from remat.solver.checkmate.milp import MilpOutcome, milp_gate, run_milp
 from remat.solver.checkmate.peak_rows import PeakRowsResult, peak_rows_search
 from remat.solver.refine import drop_recomputations
 
-__all__ = ["BASELINES_MAX_NODES", "Refined", "Candidates", "gather", "heuristics", "refine", "equal_spacing_record"]
+__all__ = ["BASELINES_MAX_NODES", "LOWEST_PEAK_CANDIDATE", "COLD_MILP_MAX_NODES", "Refined", "Candidates", "gather", "heuristics", "refine", "equal_spacing_record"]
 
 BASELINES_MAX_NODES = 1000  # larger graphs: the baselines only when the certified search finds nothing
+LOWEST_PEAK_CANDIDATE = "lowest_peak"  # the lowest-peak search's plan, where no heuristic fits (`gather`)
+# Where no heuristic fits (at or near the smallest feasible budget), the MILP runs without a start only
+# on coarse graphs up to this size, where it proves the optimum there in a fraction of a second (the
+# training chains of tests/test_checkmate.py, up to 18 nodes); on larger ones, where the lowest-peak
+# search ran, its plan is the candidate instead: cold, the MILP ran to its node limit for no plan on
+# a GPT block of 62 nodes (16 s) and GroupViT's 54-node vision block
+COLD_MILP_MAX_NODES = 32
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class Candidates:
 
 def gather(graph: TrainingGraph, g: TrainingGraph, budget_bytes: int, *, backend: str, limits: Limits,
            deadline: float | None, warm_start: bool, msg: bool, milp: str, certify: bool,
-           mip_gap: float = 0.0) -> Candidates:
+           mip_gap: float = 0.0, known_fit: Callable[[], tuple[str, list[str]] | None] | None = None) -> Candidates:
     """The candidates under `budget_bytes`: the heuristics' (unless the graph is too large for them
     and the certified search runs) and, first, the MILP's over the coarse graph `g` where it runs
     and its plan fits. Under milp="auto" with certify, the rows over the budget are searched
@@ -66,6 +74,17 @@ def gather(graph: TrainingGraph, g: TrainingGraph, budget_bytes: int, *, backend
         if rows is not None:
             skipped = ("not run: the rows over the budget prove that no plan fits" if math.isinf(rows.bound) else
                        "not run: the rows over the budget prove the best plan found within mip_gap of any it could find")
+    if skipped is None and known_fit is not None and len(g.nodes) > COLD_MILP_MAX_NODES and not _fits(refined, budget_bytes):
+        # at or near the smallest feasible budget no heuristic fits, and the MILP, without a start,
+        # can run to its node limit for no plan at all (a GPT block of 62 nodes at its smallest
+        # budget: 16 s, then the lowest-peak fallback). Where the lowest-peak search ran for this
+        # graph, its cheapest plan that fits is the candidate instead (that block: 16 s -> 1 s, the
+        # same plan); the certified search is not run for it (strategy.py), as where nothing fits
+        found = known_fit()
+        if found is not None:
+            refined = refine(graph, [(LOWEST_PEAK_CANDIDATE, found[1])], budget_bytes)
+            skipped = ("not run: no heuristic fits the budget (at or near the smallest feasible one); the "
+                       "lowest-peak search's cheapest plan that fits is the candidate")
     outcome = None
     if skipped is None:
         # stacklevel 5: warn_fallback, run_milp, here, checkmate's solve, its caller
@@ -74,6 +93,10 @@ def gather(graph: TrainingGraph, g: TrainingGraph, budget_bytes: int, *, backend
         if outcome.plan is not None and outcome.plan.fits:
             refined = {**refine(graph, [("milp", outcome.plan.schedule)], budget_bytes), **refined}
     return Candidates(refined, es, outcome, skipped, rows)
+
+
+def _fits(refined: dict[str, Refined], budget_bytes: int) -> bool:
+    return any(r.sim.peak_bytes <= budget_bytes for r in refined.values())
 
 
 def _rows_first(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined], mip_gap: float,

@@ -41,7 +41,8 @@ from remat.core.plan import LOWEST_PEAK, Plan, PlanStatus, plan_from_schedule
 from remat.solver.refine import drop_recomputations
 from remat.core.simulator import simulate
 
-__all__ = ["min_feasible_budget", "known_min_feasible_budget", "lowest_peak_plan", "cheapest_known_fit", "known_plans", "KnownPlan",
+__all__ = ["min_feasible_budget", "known_min_feasible_budget", "lowest_peak_plan", "cheapest_known_fit", "cached_known_fit",
+           "known_plans", "KnownPlan",
            "CLOSE_TO_FLOOR", "DESCEND_MAX_NODES", "CACHED_PROBLEMS", "ROWS_RELIEF_ROUNDS", "ROWS_RELIEF_STEPS"]
 
 # on graphs up to DESCEND_MAX_NODES nodes the lowest peak is pushed down by the certified search
@@ -114,6 +115,17 @@ def cheapest_known_fit(graph: TrainingGraph, budget_bytes: int, *, backend: str,
     return None if best is None else best[1:]
 
 
+def cached_known_fit(graph: TrainingGraph, budget_bytes: int, *, backend: str, coarsen_to: int | None,
+                     limits: Limits) -> tuple[str, list[str]] | None:
+    """cheapest_known_fit where the lowest-peak search is cached for `graph` and these options (a
+    budget at or near the smallest feasible one that search found), else None: nothing is searched."""
+    with _LOWEST_LOCK:
+        hit = _LOWEST.get((graph, backend, coarsen_to, limits))
+    if hit is None:
+        return None
+    return cheapest_known_fit(graph, budget_bytes, backend=backend, coarsen_to=coarsen_to, limits=limits)
+
+
 def known_plans(graph: TrainingGraph, *, backend: str, coarsen_to: int | None, limits: Limits,
                 deadline: float | None = None) -> tuple[KnownPlan, ...]:
     """The plans the lowest-peak search found that no other one beats on both peak and extra cost,
@@ -138,16 +150,22 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
     log: list = []
     cands: list = []  # (peak, source, Plan)
     seen: list = []  # (source, schedule): every plan found, for cheapest_known_fit
-    if milp_gate(len(g.nodes), "auto") is None:
+    es = replace(equal_spacing.solve(graph, LOWEST_PEAK), strategy="checkmate", status=PlanStatus.FEASIBLE)
+    small = len(graph.nodes) <= RELAXATION_MAX_NODES
+    floor = peak_floor(graph) if small else 0
+    es_relieved = _relieved(graph, es.predicted_peak_bytes, "equal_spacing", es) if small else None
+    # the min-peak MILP only where equal_spacing's plan, relieved, is over the rows' floor: at the
+    # floor no schedule peaks lower (a GPT block of 62 nodes: its MILP 10.4 s of the 11 s search, for
+    # a plan peaking no lower)
+    if milp_gate(len(g.nodes), "auto") is None and not (es_relieved is not None and es_relieved[0] <= floor):
         milp = min_peak_plan(graph, g, name, cut_to_deadline(limits, deadline), log)
         if milp is not None:
             cands.append((milp.predicted_peak_bytes, "min_peak_milp", milp))
-    es = replace(equal_spacing.solve(graph, LOWEST_PEAK), strategy="checkmate", status=PlanStatus.FEASIBLE)
     cands.append((es.predicted_peak_bytes, "equal_spacing", es))
-    if len(graph.nodes) <= RELAXATION_MAX_NODES:
+    if small:
         seen += [(_SOURCES[s], c.schedule) for _, s, c in cands]
-        cands = [_relieved(graph, *c) for c in cands]
-        bound = peak_floor(graph)
+        cands = [es_relieved if s == "equal_spacing" else _relieved(graph, p, s, c) for p, s, c in cands]
+        bound = floor
         # equal_spacing's plan relieved and the rows' floor take seconds: where that plan is within
         # CLOSE_TO_FLOOR of the floor, the relaxation's bisection (minutes: on a Llama-like graph of
         # 564 nodes 150 s, to come out 0.03% above the floor) and the rows' schedule are not run

@@ -20,10 +20,12 @@ from dataclasses import asdict, dataclass
 from remat.core.full_collections import rare_full_collections
 from remat.core.plan import Plan, PlanStatus, plan_from_schedule
 from remat.core.training_graph import TrainingGraph
-from remat.solver.checkmate.candidates import Candidates, equal_spacing_record, gather, heuristics, refine
+from remat.solver.checkmate.candidates import (LOWEST_PEAK_CANDIDATE, Candidates, equal_spacing_record, gather,
+                                              heuristics, refine)
 from remat.solver.checkmate.certify import Certificate
 from remat.solver.checkmate.certify import certify as certify_stage
 from remat.solver.checkmate.choose import Choice, choose, fallback_to_lowest_peak
+from remat.solver.checkmate.lowest_peak import cached_known_fit
 from remat.solver.checkmate.milp import MILP_MODES, resolve_backend
 from remat.solver.checkmate.milp import Options as MilpOptions
 from remat.solver.checkmate.milp_attempts import make_limits
@@ -82,11 +84,17 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
     deadline = None if time_limit_s is None else t0 + time_limit_s
     limits = make_limits(time_limit_s, max_nodes, mip_gap, threads)
     g = coarse_graph(graph, coarsen_to)
+    def known_fit():  # the lowest-peak search's plans, where it ran for this graph (min_feasible_budget)
+        return cached_known_fit(graph, budget_bytes, backend=backend, coarsen_to=coarsen_to, limits=limits)
+
     cands = gather(graph, g, budget_bytes, backend=name, limits=limits, deadline=deadline, warm_start=warm_start,
-                   msg=msg, milp=milp, certify=certify, mip_gap=mip_gap)
+                   msg=msg, milp=milp, certify=certify, mip_gap=mip_gap, known_fit=known_fit)
     cert = Certificate()
     if certify:
-        cert = certify_stage(graph, budget_bytes, cands.refined, mip_gap=mip_gap, max_iterations=max_iterations,
+        # the lowest-peak search's plan (gather's candidate where no heuristic fits) does not make the
+        # certified search run: at or near the smallest feasible budget it is skipped (certify.py)
+        searched_from = {k: v for k, v in cands.refined.items() if k != LOWEST_PEAK_CANDIDATE}
+        cert = certify_stage(graph, budget_bytes, searched_from, mip_gap=mip_gap, max_iterations=max_iterations,
                              deadline=deadline, rows=cands.rows_first)
     es = cands.equal_spacing
     choice = choose({**cands.refined, **cert.plans}, budget_bytes, cands.milp, es)
