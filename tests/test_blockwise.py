@@ -333,6 +333,58 @@ def test_blocks_share_a_compiled_step_only_where_their_traced_steps_are_equal():
     _train_both(opt, model, ref, [(x, y), (-x, y), (x[:48], y[:48])], budget)
 
 
+class BNBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn, self.drop = nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Dropout(0.1)
+
+    def forward(self, h):
+        return h + self.drop(torch.relu(self.bn(self.lin(h))))
+
+
+class BNNet(nn.Module):
+    """Equal blocks whose step updates buffers in place (BatchNorm's running statistics) and draws
+    dropout masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 5)
+        self.blocks = nn.ModuleList([BNBlock() for _ in range(3)])
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        h = h / h.abs().max().item()
+        return F.cross_entropy(self.head(h), y)
+
+
+def test_a_shared_step_updates_each_blocks_own_buffers_as_eager_does():
+    torch.manual_seed(0)
+    model = BNNet()
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    budget = int(0.8 * remat.measure_peak(lambda: model(x, y).backward(), resident=[model, x, y]))
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(model)
+    with pytest.warns(remat.BlockwisePlanWarning):
+        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    assert [m.plan_log[0].how for m in opt.blocks] == ["saved plan"] + ["the step of an equal module"] * 2
+    for seed in range(3):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = opt(x, y)
+        loss.backward()
+        torch.manual_seed(seed)
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss)
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), n
+        for (n, a), b in zip(ref.named_buffers(), model.buffers()):
+            assert torch.equal(a, b), n  # each block's running statistics, updated once per step
+
+
 class Scale(nn.Module):
     def __init__(self):
         super().__init__()
