@@ -307,14 +307,13 @@ class AlphaBlock(nn.Module):
         return torch.tanh(self.lin(h)) * self.alpha + h
 
 
-class AlphaNet(nn.Module):
-    """Blocks of one structure whose steps differ only in a Python scalar, which the planner's graph
-    does not see."""
+class Stacked(nn.Module):
+    """`blocks` between an input and a head, with an `.item()` that keeps the step from tracing whole."""
 
-    def __init__(self):
+    def __init__(self, blocks: list[nn.Module]):
         super().__init__()
         self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 5)
-        self.blocks = nn.ModuleList([AlphaBlock(a) for a in (0.5, 2.0, 2.0, 0.5)])
+        self.blocks = nn.ModuleList(blocks)
 
     def forward(self, x, y):
         h = self.inp(x)
@@ -325,8 +324,11 @@ class AlphaNet(nn.Module):
 
 
 def test_blocks_share_a_compiled_step_only_where_their_traced_steps_are_equal():
+    # blocks of one structure whose steps differ only in a Python scalar, which the planner's graph
+    # does not see
     opt, model, ref, (x, y), budget = _planned_tight(
-        AlphaNet, lambda: (torch.randn(64, 16), torch.randint(0, 5, (64,))), "4 repeated blocks")
+        lambda: Stacked([AlphaBlock(a) for a in (0.5, 2.0, 2.0, 0.5)]),
+        lambda: (torch.randn(64, 16), torch.randint(0, 5, (64,))), "4 repeated blocks")
     assert len({p.graph.fingerprint() for p in opt.fit.plans}) == 1  # one graph for the planner
     # the second 2.0 block runs the first one's step, the second 0.5 block the first one's
     assert [m.plan_log[0].how for m in opt.blocks] == ["saved plan"] * 2 + ["the step of an equal module"] * 2
@@ -342,26 +344,11 @@ class BNBlock(nn.Module):
         return h + self.drop(torch.relu(self.bn(self.lin(h))))
 
 
-class BNNet(nn.Module):
-    """Equal blocks whose step updates buffers in place (BatchNorm's running statistics) and draws
-    dropout masks."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 5)
-        self.blocks = nn.ModuleList([BNBlock() for _ in range(3)])
-
-    def forward(self, x, y):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        h = h / h.abs().max().item()
-        return F.cross_entropy(self.head(h), y)
-
-
 def test_a_shared_step_updates_each_blocks_own_buffers_as_eager_does():
+    # equal blocks whose step updates buffers in place (BatchNorm's running statistics) and draws
+    # dropout masks
     torch.manual_seed(0)
-    model = BNNet()
+    model = Stacked([BNBlock() for _ in range(3)])
     x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
     budget = int(0.8 * remat.measure_peak(lambda: model(x, y).backward(), resident=[model, x, y]))
     model.zero_grad(set_to_none=True)
