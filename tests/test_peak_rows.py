@@ -298,6 +298,76 @@ def test_a_milp_with_a_target_stops_at_its_first_solution_at_or_under_it():
     assert under.status == "optimal" and under.objective == pytest.approx(full.objective)
 
 
+def test_a_milps_interrupt_checks_see_its_nodes_and_best_solution():
+    """The interrupt checks hand over HiGHS's nodes so far and its best solution's objective: a
+    MILP that branches, stopped once past its root node with a solution, returns that solution
+    (no cheaper than the optimum) and a bound no higher, after fewer nodes than in full."""
+    from remat.solver.checkmate.sparse_lp import SparseModel
+
+    rng = random.Random(0)
+    m = SparseModel()
+    xs = [m.var(0, 3, cost=-rng.randint(1, 30), integral=True) for _ in range(30)]
+    for _ in range(20):  # a multidimensional knapsack: HiGHS branches (34 nodes)
+        w = [rng.randint(1, 20) for _ in xs]
+        m.row([(x, float(a)) for x, a in zip(xs, w)], hi=sum(w) / 4)
+    full = m.solve(integral=True, mip_gap=0)
+    assert full.status == "optimal" and full.nodes > 1
+    seen = []
+
+    def past_root(check) -> bool:
+        seen.append(check)
+        return check.nodes >= 1 and check.primal_bound < float("inf")
+
+    stopped = m.solve(integral=True, mip_gap=0, interrupt=past_root)
+    assert stopped.status == "limit" and stopped.nodes < full.nodes
+    assert stopped.bound <= full.objective + 1e-9 <= stopped.objective + 1e-9
+    assert [c.checks for c in seen] == list(range(1, len(seen) + 1))
+    assert all(c.dual_bound <= full.objective + 1e-9 for c in seen)
+    found = [c.primal_bound for c in seen if c.primal_bound < float("inf")]
+    assert found and found == sorted(found, reverse=True) and found[-1] >= full.objective - 1e-9
+
+
+@pytest.mark.parametrize("make, share", [(lambda: training_chain(16, 3), 0.5), (lambda: random_dag(40, 0), 0.4)])
+def test_a_round_stops_at_its_root_lp_where_its_solutions_are_far_under_the_best_plan(make, share, monkeypatch):
+    """A round's MILP is handed a check that stops it once its root LP is solved (a finite dual
+    bound) with a solution more than ROUND_HOPELESS_GAP under the best plan (the round's bound cannot
+    then prove it), and runs GENERATION_MAX_NODE_VARIABLES over its variables nodes at most
+    (AFTER_HOPELESS_MAX_NODES after a round so stopped). With an incumbent ten times the step's cost
+    every solution is that far under: rounds stop so, at their roots. With no plan known yet there is
+    no such check."""
+    import remat.solver.checkmate.peak_rows as peak_rows
+    from remat.solver.checkmate.sparse_lp import MipCheck, SparseModel
+
+    g = make()
+    keep = simulate(g, keep_all_schedule(g)).peak_bytes
+    budget = int(g.resident_bytes + share * (keep - g.resident_bytes))
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    first = peak_rows_search(g, budget, mip_gap=1e-4)
+    calls = []
+    real_solve = SparseModel.solve
+
+    def spy(self, **kw):
+        calls.append((self.num_vars, kw.get("max_nodes"), kw.get("interrupt")))
+        return real_solve(self, **kw)
+
+    monkeypatch.setattr(SparseModel, "solve", spy)
+    monkeypatch.setattr(peak_rows, "GENERATION_MAX_NODE_VARIABLES", 5000)
+    monkeypatch.setattr(peak_rows, "AFTER_HOPELESS_MAX_NODES", 1)
+    res = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=10 * g.total_cost, more_rows_from=first)
+    solves = res.details["solves"]
+    assert len(calls) == len(solves) and any(s.get("stopped") == peak_rows.HOPELESS for s in solves)
+    assert all(s["nodes"] <= 1 for s in solves if s.get("stopped"))  # at its root
+    for i, (variables, max_nodes, stop) in enumerate(calls):
+        after_hopeless = any(s.get("stopped") == peak_rows.HOPELESS for s in solves[:i])
+        assert max_nodes == (1 if after_hopeless else max(1, min(peak_rows.ROWS_MAX_NODES, 5000 // variables)))
+        assert stop(MipCheck(3, 0.0, 0.0, 0))
+        assert not stop(MipCheck(1, -math.inf, 0.0, 0))  # the root LP not solved yet
+        assert not stop(MipCheck(2, 0.0, math.inf, 5))  # no solution yet
+    calls.clear()
+    peak_rows_search(g, budget, mip_gap=1e-4, more_rows_from=first)
+    assert calls and calls[0][2] is None  # the first round's: no plan known yet
+
+
 def test_a_rows_milps_node_limit_shrinks_with_its_variables(monkeypatch):
     """Each rows' MILP runs at most ROWS_MAX_NODES branch-and-bound nodes, and at most
     ROWS_MAX_NODE_VARIABLES over its variables (at least one): with that product set near these

@@ -29,7 +29,7 @@ from remat.solver.checkmate.bounds import point_of_schedule, safe_bound
 from remat.solver.checkmate.branch_and_bound import STALL_RISE, certify
 from remat.solver.checkmate.guided import best_guided, exchanged_plan
 from remat.solver.checkmate.relaxation import Relaxation
-from remat.solver.checkmate.sparse_lp import interrupt_with
+from remat.solver.checkmate.sparse_lp import MipCheck, interrupt_with
 from remat.core.simulator import simulate
 
 __all__ = ["CertifiedResult", "certified_search", "PLAN_ATTEMPTS", "ROOT_UNDER_OTHER_BOUND", "MAX_LPS", "WORK_FACTOR", "WORK_ROWS",
@@ -352,8 +352,8 @@ def _mip(graph, rel, incumbent, mip_gap, time_limit_s, on_solution, details, oth
             pass
     under = [False]
 
-    def under_rows(checks: int, dual_bound: float) -> bool:
-        under[0] = checks >= MIP_UNDER_ROWS_CHECKS and not dual_bound > other_bound / rel.cost_scale
+    def under_rows(check: MipCheck) -> bool:
+        under[0] = check.checks >= MIP_UNDER_ROWS_CHECKS and not check.dual_bound > other_bound / rel.cost_scale
         return under[0]
 
     sol = rel.model.solve(integral=True, max_nodes=MIP_MAX_NODES, time_limit_s=time_limit_s, mip_gap=mip_gap,
@@ -384,8 +384,8 @@ def _root_cuts(rel, incumbent: float, time_limit_s: float, details, progress) ->
     seen = {"bound": -math.inf, "reports": 0, "flat": 0}
     total = max(rel.graph.total_cost, 1e-12)
 
-    def report(checks: int, b: float) -> bool:
-        seen["reports"] = checks
+    def report(check: MipCheck) -> bool:
+        seen["reports"], b = check.checks, check.dual_bound
         rise = STALL_RISE * (incumbent / cs - seen["bound"]) if math.isfinite(seen["bound"]) else 0.0
         if math.isfinite(b) and (not math.isfinite(seen["bound"]) or b > seen["bound"] + rise):
             seen["flat"] = 0

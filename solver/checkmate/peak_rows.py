@@ -36,6 +36,7 @@ from remat.core.training_graph import TrainingGraph
 from remat.solver.checkmate.exchange import evaluations, exchange
 from remat.solver.checkmate.guided import fit, schedule_from_live
 from remat.solver.checkmate.relaxation import SAFETY
+from remat.solver.checkmate.sparse_lp import MipCheck
 from remat.solver.checkmate.row_models import (Row, RowsModel, keep_all_steps, over_budget_rows, part_readers,
                                               point_of_schedule, rows_model)
 from remat.solver.refine import drop_recomputations
@@ -45,6 +46,7 @@ __all__ = ["PeakRowsResult", "peak_rows_search", "MAX_ROWS", "SINGLE_MILPS", "MU
            "GENERATION_NEW_ROWS", "GENERATION_MAX_ITERATIONS", "GENERATION_GROWTH", "GENERATION_MAX_VARIABLES",
            "GENERATION_PLAN_MAX_VARIABLES", "MULTI_MAX_VARIABLES", "PLAN_SOLUTIONS", "PLAN_MAX_NODES",
            "ROWS_MAX_NODES", "ROWS_MAX_NODE_VARIABLES", "MILP_SAFETY", "PLAN_EXCHANGE_SHARE", "ALL_PLANS_MAX_NODES",
+           "ROUND_HOPELESS_GAP", "HOPELESS", "AFTER_HOPELESS_MAX_NODES", "GENERATION_MAX_NODE_VARIABLES",
            "peak_floor", "lowest_peak_by_rows"]
 
 MAX_ROWS = 24  # rows whose LP is solved, at most: those of largest excess, and others spread over the step
@@ -98,6 +100,30 @@ GENERATION_MAX_VARIABLES = 5000
 # bound over the rows'), ~2 s more. No other plan of benchmarks/certificates.py's 59 models changes
 # at their smallest feasible budgets.
 GENERATION_PLAN_MAX_VARIABLES = 12000
+# A round's MILP runs at most this many branch-and-bound nodes over its variables (a third of
+# ROWS_MAX_NODE_VARIABLES; the rounds' GENERATION_MAX_ITERATIONS is checked before a round only, from
+# a prediction a round's branching can overrun 2-6 times): T5 at half its activation memory, 4,027
+# variables, 1,078 nodes in full (106k simplex iterations, 33 s) for a plan 8.088% extra, gap 0.8%;
+# at 496 nodes 20 s, 8.061%, gap 1.8%
+GENERATION_MAX_NODE_VARIABLES = 2_000_000
+# A round's MILP is stopped once its root LP is solved where a solution of it is more than this
+# share under the best plan: the round's bound (at most that solution's value) cannot then prove the
+# plan within the rounds' gap, and rows that far under the plan are a loose model of the step (their
+# plans cost far more than their values): the root's cuts and the branching would only prove the
+# rows' own optimum, where the next round's added row lifts the bound more. dots1 (610 nodes) at its
+# smallest budget: its second round, 6 rows, ran 650 nodes (92.9k simplex iterations, 38 s) for a
+# bound 5.8% over the first round's and no cheaper plan; stopped at its root LP, three rounds take
+# 2.4 s and end at a bound 7.2% over it (gap 28.3% -> 27.3%, the same plan). ProphetNet's 198-node
+# block at its smallest budget: 5.1 -> 2.0 s, a plan 54.0% -> 45.9% extra. Rounds whose solutions
+# stay within it (T5 at half its activation memory, 5.5% under) run as before
+ROUND_HOPELESS_GAP = 0.2
+HOPELESS = "at its root LP: a solution more than ROUND_HOPELESS_GAP under the best plan"
+# After a round stopped that way, a round branches on this many nodes at most: the rows were a loose
+# model of the step, and the branching near the root reads the plans (GLM-MoE-DSA at its smallest
+# budget, after two rounds stopped at their roots: a third of 442 nodes, 50.9k simplex iterations, 24
+# s; at 50 nodes 12.6 s, the same plan, gap 9.48% -> 9.49%). MixtralMoE's at half its activation
+# memory, after one: 27 and 22 nodes, its plan 12% cheaper (gap 0)
+AFTER_HOPELESS_MAX_NODES = 50
 PLAN_SOLUTIONS = 1
 PLAN_MAX_NODES = 20
 # branch-and-bound nodes of a rows' MILP (a work limit: the plan must not depend on the machine's load),
@@ -266,16 +292,23 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         return None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
 
     def run(rows_: list[Row], integral: bool, rm: RowsModel | None = None,
-            plan_only: bool = False, target: float | None = None) -> tuple[float, list | None] | None:
+            plan_only: bool = False, target: float | None = None, in_round: bool = False,
+            hopeless_under: float | None = None) -> tuple[float, list | None] | None:
         """Solve the model of rows_ (`rm`, where already built), keep its bound and plan (the MILP
         solution's drops, made to fit, not yet refined); (bound, drops or None), or None when it
         proves no fit. plan_only: the MILP searched for a plan below the best one (PLAN_SOLUTIONS).
-        target: the MILP stops at its first solution at or under this (cost units)."""
+        target: the MILP stops at its first solution at or under this (cost units).
+        in_round: a round's MILP, GENERATION_MAX_NODE_VARIABLES over its variables nodes at most
+        (AFTER_HOPELESS_MAX_NODES after a round stopped as hopeless). hopeless_under: the MILP stops
+        once its root LP is solved with a solution under this (cost units; ROUND_HOPELESS_GAP)."""
         rm = rm or rows_model(graph, rows_, readers)
         nodes_limit = None
         if integral:
             nodes_limit = PLAN_MAX_NODES if plan_only else ROWS_MAX_NODES
-            nodes_limit = max(1, min(nodes_limit, ROWS_MAX_NODE_VARIABLES // max(rm.model.num_vars, 1)))
+            per_node = GENERATION_MAX_NODE_VARIABLES if in_round else ROWS_MAX_NODE_VARIABLES
+            nodes_limit = max(1, min(nodes_limit, per_node // max(rm.model.num_vars, 1)))
+            if in_round and any(s.get("stopped") == HOPELESS for s in solves):
+                nodes_limit = min(nodes_limit, AFTER_HOPELESS_MAX_NODES)
         best = min(found["cost"], incumbent)
         cutoff = best / rm.cost_scale if plan_only and math.isfinite(best) else None
         start = point_of_schedule(rm, graph, incumbent_schedule) if integral and incumbent_schedule else None
@@ -284,14 +317,26 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             # MILP's bound never will (the chunked head of a 2-layer LSTM over 8 steps: 3.9 -> 0.4 s);
             # a solution under either value proves the MILP's bound cannot count
             target = max(target or 0.0, incumbent)
+
+        stopped = []
+
+        def hopeless(check: MipCheck) -> bool:
+            out = math.isfinite(check.dual_bound) and check.primal_bound * rm.cost_scale < hopeless_under
+            if out:
+                stopped.append(check)
+            return out
+
         sol = rm.model.solve(integral=integral, max_nodes=nodes_limit, time_limit_s=left(), mip_gap=max(mip_gap, 1e-6),
                              cutoff=cutoff, max_improving=PLAN_SOLUTIONS if plan_only else None, start=start,
-                             target=target / rm.cost_scale if integral and target else None)
+                             target=target / rm.cost_scale if integral and target else None,
+                             interrupt=hopeless if integral and hopeless_under is not None else None)
         entry = {"rows": len(rm.rows), "integral": integral, "status": sol.status, "variables": rm.model.num_vars,
                  "constraints": rm.model.num_rows, "iterations": sol.iterations, "nodes": sol.nodes,
                  "s": round(sol.seconds, 3)}
         if plan_only:
             entry["plan_only"] = True
+        if stopped:
+            entry["stopped"] = HOPELESS
         solves.append(entry)
         progress.advance(1)
         if sol.status == "infeasible" and cutoff is not None:
@@ -389,8 +434,10 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             # its bound counts only above the one known: a solution at or under that one proves it
             # never will be, and is a plan (a bidirectional GRU over 8 steps at half its activation
             # memory: 23 -> 9 s, where the MILP's optimum, 7.273% extra, is under the best row's bound)
+            best = min(found["cost"], incumbent)
             out = run(together, True, rm, plan_only=rm.model.num_vars > GENERATION_MAX_VARIABLES,
-                      target=max(found["bound"], known_bound))
+                      target=max(found["bound"], known_bound), in_round=True,
+                      hopeless_under=(1 - ROUND_HOPELESS_GAP) * best if math.isfinite(best) else None)
             if out is None:
                 return PeakRowsResult(math.inf, None, math.inf, details)
             if out[1] is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SparseModel", "Solution", "HotLP", "interrupt_with"]
+__all__ = ["SparseModel", "Solution", "HotLP", "MipCheck", "interrupt_with"]
 
 
 @dataclass
@@ -147,12 +147,11 @@ class SparseModel:
               mip_gap: float = 1e-6, start: np.ndarray | None = None, msg: bool = False,
               cutoff: float | None = None, max_improving: int | None = None,
               max_iterations: int | None = None, target: float | None = None,
-              interrupt: Callable[[int, float], bool] | None = None) -> Solution:
+              interrupt: Callable[[MipCheck], bool] | None = None) -> Solution:
         """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
         start: a feasible point for the MILP to start from (ignored when HiGHS rejects it).
         cutoff, max_improving, max_iterations, target: see `highs`. interrupt: for the MILP,
-        called at each of HiGHS's interrupt checks with how many it made so far and its dual bound;
-        True stops it there (status "limit", with its incumbent and bound so far)."""
+        called at each of HiGHS's interrupt checks (a MipCheck); True stops it there (status "limit", with its incumbent and bound so far)."""
         t0 = time.perf_counter()
         h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg,
                        cutoff=cutoff, max_improving=max_improving, max_iterations=max_iterations, target=target)
@@ -200,16 +199,29 @@ class HotLP:
         return sol
 
 
-def interrupt_with(h, interrupt: Callable[[int, float], bool]) -> None:
+@dataclass(frozen=True)
+class MipCheck:
+    """What HiGHS tells a MILP's interrupt check: how many checks so far (itself included), its
+    dual bound, its best solution's objective (inf: none yet) and the branch-and-bound nodes it
+    has run (0 while in the root node), all in the model's units."""
+
+    checks: int
+    dual_bound: float
+    primal_bound: float
+    nodes: int
+
+
+def interrupt_with(h, interrupt: Callable[[MipCheck], bool]) -> None:
     """HiGHS instance `h`'s MILP interrupt checks (deterministic on one thread) handed to
-    `interrupt(checks so far, dual bound)`; True stops the MILP there."""
+    `interrupt` as MipChecks; True stops the MILP there."""
     import highspy
 
     checks = [0]
 
     def check(_type, _message, data_out, data_in, _user) -> None:
         checks[0] += 1
-        if interrupt(checks[0], data_out.mip_dual_bound):
+        if interrupt(MipCheck(checks[0], data_out.mip_dual_bound, data_out.mip_primal_bound,
+                              int(data_out.mip_node_count))):
             data_in.user_interrupt = True
 
     h.setCallback(check, None)
