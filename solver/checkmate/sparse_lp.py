@@ -151,7 +151,8 @@ class SparseModel:
         """Solve the LP relaxation (integral=False) or the MILP, single-threaded with seed 0.
         start: a feasible point for the MILP to start from (ignored when HiGHS rejects it).
         cutoff, max_improving, max_iterations, target: see `highs`. interrupt: for the MILP,
-        called at each of HiGHS's interrupt checks (a MipCheck); True stops it there (status "limit", with its incumbent and bound so far)."""
+        called at each of HiGHS's interrupt checks (a MipCheck); True stops it there (status
+        "limit", with its incumbent and bound so far)."""
         t0 = time.perf_counter()
         h = self.highs(integral=integral, max_nodes=max_nodes, time_limit_s=time_limit_s, mip_gap=mip_gap, msg=msg,
                        cutoff=cutoff, max_improving=max_improving, max_iterations=max_iterations, target=target)
