@@ -102,9 +102,9 @@ GENERATION_MAX_VARIABLES = 5000
 GENERATION_PLAN_MAX_VARIABLES = 12000
 # A round's MILP runs at most this many branch-and-bound nodes over its variables (a third of
 # ROWS_MAX_NODE_VARIABLES; the rounds' GENERATION_MAX_ITERATIONS is checked before a round only, from
-# a prediction a round's branching can overrun 2-6 times): T5 at half its activation memory, 4,027
-# variables, 1,078 nodes in full (106k simplex iterations, 33 s) for a plan 8.088% extra, gap 0.8%;
-# at 496 nodes 20 s, 8.061%, gap 1.8%
+# a prediction a round's branching can overrun eightfold: dots1's second round, 11.5k -> 92.9k).
+# T5 at half its activation memory, 4,027 variables: 1,078 nodes in full (106k simplex iterations,
+# 33 s) for a plan 8.088% extra, gap 0.8%; at 496 nodes 20 s, 8.061%, gap 1.8%
 GENERATION_MAX_NODE_VARIABLES = 2_000_000
 # A round's MILP is stopped once its root LP is solved where a solution of it is more than this
 # share under the best plan: the round's bound (at most that solution's value) cannot then prove the
