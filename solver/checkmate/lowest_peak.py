@@ -104,15 +104,8 @@ def cheapest_known_fit(graph: TrainingGraph, budget_bytes: int, *, backend: str,
     does not need are dropped: (its source, its schedule); None where none fits. The lowest-peak
     plan alone would answer a budget above its peak dearly: BERT's, 5% under the bisection's
     plan, costs 118% extra at that plan's peak, where the bisection's costs 85%."""
-    known = [k for k in known_plans(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
-             if k.peak_bytes <= budget_bytes]
-    best = None
-    for k in known:
-        sched = drop_recomputations(graph, list(k.schedule), budget_bytes)
-        cost = simulate(graph, sched).extra_cost
-        if best is None or cost < best[0]:
-            best = (cost, k.source, sched)
-    return None if best is None else best[1:]
+    known = known_plans(graph, backend=backend, coarsen_to=coarsen_to, limits=limits, deadline=deadline)
+    return _cheapest_fit(graph, known, budget_bytes)
 
 
 def cached_known_fit(graph: TrainingGraph, budget_bytes: int, *, backend: str, coarsen_to: int | None,
@@ -121,9 +114,22 @@ def cached_known_fit(graph: TrainingGraph, budget_bytes: int, *, backend: str, c
     budget at or near the smallest feasible one that search found), else None: nothing is searched."""
     with _LOWEST_LOCK:
         hit = _LOWEST.get((graph, backend, coarsen_to, limits))
-    if hit is None:
-        return None
-    return cheapest_known_fit(graph, budget_bytes, backend=backend, coarsen_to=coarsen_to, limits=limits)
+    return None if hit is None else _cheapest_fit(graph, hit[1], budget_bytes)
+
+
+def _cheapest_fit(graph: TrainingGraph, known: tuple[KnownPlan, ...],
+                  budget_bytes: int) -> tuple[str, list[str]] | None:
+    """Of `known`, the cheapest within `budget_bytes` once the recomputations that budget does not
+    need are dropped: (its source, its schedule); None where none fits."""
+    best = None
+    for k in known:
+        if k.peak_bytes > budget_bytes:
+            continue
+        sched = drop_recomputations(graph, list(k.schedule), budget_bytes)
+        cost = simulate(graph, sched).extra_cost
+        if best is None or cost < best[0]:
+            best = (cost, k.source, sched)
+    return None if best is None else best[1:]
 
 
 def known_plans(graph: TrainingGraph, *, backend: str, coarsen_to: int | None, limits: Limits,

@@ -84,6 +84,7 @@ def solve(graph: TrainingGraph, budget_bytes: int, *, backend: str = "auto",
     deadline = None if time_limit_s is None else t0 + time_limit_s
     limits = make_limits(time_limit_s, max_nodes, mip_gap, threads)
     g = coarse_graph(graph, coarsen_to)
+
     def known_fit():  # the lowest-peak search's plans, where it ran for this graph (min_feasible_budget)
         return cached_known_fit(graph, budget_bytes, backend=backend, coarsen_to=coarsen_to, limits=limits)
 
