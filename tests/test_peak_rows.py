@@ -467,6 +467,13 @@ def test_the_rows_a_plan_misses_are_added_a_row_a_round_until_the_gap_is_within_
         got = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first)
         got_rows = [s["rows"] for s in got.details["solves"]]
         assert got_rows[:2] == rows[:2] if second else got_rows == rows[:1]
+    # a caller's own limit (certify's on the largest relaxations) holds instead of GENERATION_MAX_ITERATIONS
+    for limit, second in ((predicted + 1, False), (predicted, True)):
+        monkeypatch.setattr(peak_rows, "GENERATION_MAX_ITERATIONS", limit)
+        got = peak_rows_search(g, budget, mip_gap=1e-4, incumbent=first.extra_cost, more_rows_from=first,
+                               rounds_max_iterations=2 * predicted + 1 - limit)
+        got_rows = [s["rows"] for s in got.details["solves"]]
+        assert got_rows[:2] == rows[:2] if second else got_rows == rows[:1]
 
 
 @pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
@@ -585,6 +592,46 @@ def test_the_rounds_run_before_the_certified_search_where_their_first_is_predict
     assert "certify" in d and "rows' rounds prove" not in str(d.get("certify_skipped"))
     d = solved(predicted, 1.0, large=False)  # a small relaxation: the search first, whatever the gap
     assert "certify" in d and "rows' rounds prove" not in str(d.get("certify_skipped"))
+
+
+@pytest.mark.parametrize("n, seed, budget", [(10, 1, 70), (11, 6, 78)])
+def test_on_the_largest_relaxations_the_rounds_go_further_and_their_proof_within_the_rounds_gap_spares_the_search(
+        n, seed, budget, monkeypatch):
+    """On a relaxation of HUGE_SKIP_MIN_VARIABLES or more (lowered here) the rounds that run first
+    get HUGE_ROUNDS_MAX_ITERATIONS, and where they prove the plan within MORE_ROWS_GAP (their own
+    goal; SKIP_SEARCH_GAP never met here) the certified search does not run (mT5 at half its
+    activation memory); on a smaller relaxation it runs, the rounds under GENERATION_MAX_ITERATIONS."""
+    import remat.solver.checkmate.certify as certify
+    import remat.solver.checkmate.peak_rows as peak_rows
+
+    g = training_chain(n, seed)
+    best, _ = brute_force(g, budget)
+    optimum = best - g.total_cost
+    monkeypatch.setattr(peak_rows, "MULTI_MAX_ROWS", 2)
+    monkeypatch.setattr(certify, "MIP_MAX_VARIABLES", 0)
+    monkeypatch.setattr(certify, "ROUNDS_FIRST_MAX_ITERATIONS", 10**9)
+    monkeypatch.setattr(certify, "SKIP_SEARCH_GAP", -1.0)
+    monkeypatch.setattr(certify, "HUGE_SKIP_GAP", -1.0)  # (the rows alone never spare it)
+    monkeypatch.setattr(certify, "MORE_ROWS_GAP", 1e-3)  # the first round alone does not prove it within this
+    limits = []
+    real = certify.peak_rows_search
+    monkeypatch.setattr(certify, "peak_rows_search", lambda *a, **k: limits.append(k.get("rounds_max_iterations"))
+                        or real(*a, **k))
+
+    def solved(huge: bool):
+        monkeypatch.setattr(certify, "HUGE_SKIP_MIN_VARIABLES", 0 if huge else 10**9)
+        limits.clear()
+        plan = checkmate.solve(g, budget, milp="never")
+        assert plan.lower_bound <= optimum + 1e-9 and plan.extra_cost >= optimum - 1e-9
+        assert simulate(g, plan.schedule).peak_bytes <= budget
+        return plan.details
+
+    d = solved(True)
+    assert limits[-1] == certify.HUGE_ROUNDS_MAX_ITERATIONS and d["peak_rows"]["more_rows"]["solves"]
+    assert "certify" not in d and "rows' rounds prove the plan within 0%" in d["certify_skipped"]
+    d = solved(False)
+    assert None in limits and certify.HUGE_ROUNDS_MAX_ITERATIONS not in limits
+    assert "certify" in d and d["peak_rows"]["more_rows"]["solves"]
 
 
 def test_the_rows_search_goes_on_while_it_has_no_plan(monkeypatch):

@@ -251,7 +251,8 @@ def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = ma
                      mip_gap: float = 0.0, time_limit_s: float | None = None,
                      more_rows_from: PeakRowsResult | None = None,
                      incumbent_schedule: list[str] | None = None, rounds_gap: float = 0.0,
-                     bound_only: bool = False, known_bound: float = 0.0) -> PeakRowsResult:
+                     bound_only: bool = False, known_bound: float = 0.0,
+                     rounds_max_iterations: int | None = None) -> PeakRowsResult:
     """The rows' bound and plans for `graph` under `budget` (see the module docstring), in stages
     of growing cost, stopping once the best plan (or `incumbent`, a known plan's extra cost) is
     within `mip_gap` of the bound: the LPs of up to MAX_ROWS rows, the MILPs of the SINGLE_MILPS
@@ -263,14 +264,17 @@ def peak_rows_search(graph: TrainingGraph, budget: int, *, incumbent: float = ma
     bound already proven, cost units: that MILP's own bound can no longer rise above it). bound_only:
     no plans are made (their fitting and refinement are most of the search's time on recurrent
     graphs), only the bound; it stops once that reaches `incumbent`, and each MILP stops at its first
-    solution under `incumbent` (whether the bound reaches it is all that is asked)."""
+    solution under `incumbent` (whether the bound reaches it is all that is asked).
+    rounds_max_iterations: the rounds' simplex iterations, at most, with the next round's predicted
+    (None: GENERATION_MAX_ITERATIONS)."""
     with stage(f"checkmate: rows over the budget ({len(graph.nodes)} nodes)", unit="model") as progress:
         return _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from, incumbent_schedule,
-                       rounds_gap, bound_only, known_bound)
+                       rounds_gap, bound_only, known_bound, rounds_max_iterations)
 
 
 def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows_from,
-            incumbent_schedule, rounds_gap, bound_only=False, known_bound=0.0) -> PeakRowsResult:
+            incumbent_schedule, rounds_gap, bound_only=False, known_bound=0.0,
+            rounds_max_iterations=None) -> PeakRowsResult:
     t0 = time.perf_counter()
     rows = over_budget_rows(graph, budget)
     details: dict = {"rows_over_budget": len(rows)}
@@ -422,7 +426,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
                     break
             spent = sum(s["iterations"] for s in solves)
             predicted = spent + GENERATION_GROWTH * solves[-1]["iterations"] if solves else 0
-            if solves and predicted >= GENERATION_MAX_ITERATIONS:  # the first round always runs
+            limit = GENERATION_MAX_ITERATIONS if rounds_max_iterations is None else rounds_max_iterations
+            if solves and predicted >= limit:  # the first round always runs
                 details["rounds_stopped"] = f"{spent} simplex iterations, {predicted} with the next round's predicted"
                 break
             together = sorted(together + missed, key=lambda w: w.step)
