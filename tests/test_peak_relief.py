@@ -418,3 +418,37 @@ def test_a_relaxation_too_large_to_solve_gives_no_schedule_and_the_others_answer
                                         limits=lowest_peak.make_limits(None, None, 1e-4, 1))
     assert "relaxation" not in plan.details["lowest_peak_candidates"]
     assert without >= with_relaxation and simulate(g, plan.schedule).peak_bytes == without
+
+
+@pytest.mark.parametrize("make, present", [(lambda: training_chain(40, 0), False), (lambda: random_dag(40, 5), True),
+                                           (lambda: random_dag(50, 3), True),
+                                           (lambda: transformer_like(2, 0, d=1 << 12), True)])
+def test_the_first_probes_plan_relieved_is_a_lowest_peak_candidate(make, present, monkeypatch):
+    """The bisection's first probe plan that fitted (the highest-peaking of its probes' plans), its
+    peak relieved, is a candidate of min_feasible_budget beside the bisection's last one, wherever the
+    two differ: the answer peaks no higher than it relieved, and the candidates name it; where the
+    bisection found one plan or none, it is not there."""
+    from remat.solver.checkmate import lowest_peak
+
+    monkeypatch.setattr(lowest_peak, "CLOSE_TO_FLOOR", -1.0)  # the bisection runs whatever the others give
+    got = {}
+    real = lowest_peak.lowest_peak_search
+
+    def spy(graph, **kw):
+        out = real(graph, **kw)
+        got.update(fitted=list(kw["fitted"]), sched=out[0])
+        return out
+
+    monkeypatch.setattr(lowest_peak, "lowest_peak_search", spy)
+    g = make()
+    lowest_peak._LOWEST.clear()
+    peak, plan = min_feasible_budget(g, return_plan=True)
+    cands = plan.details["lowest_peak_candidates"]
+    first = got["fitted"][0] if got["fitted"] else None
+    if first is None or first == got["sched"]:
+        assert "first_probe" not in cands
+    else:
+        relieved = simulate(g, relieve_peak(g, first)).peak_bytes
+        assert peak <= cands["first_probe"] <= min(relieved, simulate(g, first).peak_bytes)
+    assert simulate(g, plan.schedule).peak_bytes == peak >= plan.details["peak_lower_bound"]
+    assert ("first_probe" in cands) == present  # (a case of each kind)
