@@ -420,7 +420,7 @@ def test_a_relaxation_too_large_to_solve_gives_no_schedule_and_the_others_answer
     assert without >= with_relaxation and simulate(g, plan.schedule).peak_bytes == without
 
 
-@pytest.mark.parametrize("make, present", [(lambda: training_chain(40, 0), False), (lambda: random_dag(40, 5), True),
+@pytest.mark.parametrize("make, present", [(lambda: training_chain(16, 2), False), (lambda: random_dag(40, 5), True),
                                            (lambda: random_dag(50, 3), True),
                                            (lambda: transformer_like(2, 0, d=1 << 12), True)])
 def test_the_first_probes_plan_relieved_is_a_lowest_peak_candidate(make, present, monkeypatch):

@@ -88,8 +88,9 @@ HUGE_SKIP_MIN_VARIABLES = 60_000
 # goal), not SKIP_SEARCH_GAP, the search does not run: what it would add there is a bound, and the
 # rounds' is as good. mT5 (842 nodes, 178k variables) at half its activation memory: a second round
 # (predicted 51k simplex iterations after 17k; 15k, 6 s) proves the same plan within 4.75%, where
-# the search's root LP (102k iterations, 21-25 s) proved 4.82%: 41.6 -> 14.1 s. At a quarter,
-# DeepSeek-V3's second round (35k, 11 s) leaves its gap at 9.2%: 48 -> 54 s, the same plan
+# the search's root LP (102k iterations, 21-25 s) proved 4.82%: 36.7 -> 12.4 s (benchmarks/results/
+# certificates.txt). At a quarter, DeepSeek-V3's second round (35k, 11 s) leaves its gap at 9.2%:
+# 48 -> 54 s, the same plan
 HUGE_ROUNDS_MAX_ITERATIONS = 100_000
 
 

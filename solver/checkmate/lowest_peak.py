@@ -200,7 +200,7 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
                 # less than the last. At the smallest budgets of the saved graphs of
                 # benchmarks/certificates.py, found and solved there: MPNet 0.03% lower; the same
                 # budgets, cheaper plans: Gemma 62.4% -> 51.1% extra, Qwen3 98.2% -> 87.1%, ALBERT
-                # 69.1% -> 62.3%, Granite 74.9% -> 70.9%; ~1 s (benchmarks/results/smallest_budget.txt)
+                # 69.1% -> 62.3%, Granite 74.9% -> 70.9%; 1-3 s more (benchmarks/results/smallest_budget.txt)
                 first = plan_from_schedule(graph, probes[0], strategy="checkmate", budget_bytes=None, status="feasible")
                 cands.append(_relieved(graph, first.predicted_peak_bytes, "first_probe", first))
     else:
