@@ -198,14 +198,14 @@ def certify(graph: TrainingGraph, budget_bytes: int, refined: dict[str, Refined]
     # 8.3 -> 2.8 s and GPT-J 17.2 -> 5.2, the same plans; MarianMT 16.697% -> 16.703% extra, mBART
     # 16.001% -> 16.045%, Pegasus 16.338% -> 16.342%, each 7-8 -> 2 s). Not where the rows prove it within
     # more (BART's 1.5%, whose search makes the plan 0.4% cheaper: SKIP_SEARCH_GAP above)
-    enough = HUGE_SKIP_GAP if rel.model.num_vars >= HUGE_SKIP_MIN_VARIABLES else GOOD_GAP
+    huge = rel.model.num_vars >= HUGE_SKIP_MIN_VARIABLES
+    enough = HUGE_SKIP_GAP if huge else GOOD_GAP
     if large and math.isfinite(best) and best - rows.bound <= enough * best + TINY:
         return Certificate(rows.bound, False, plans, rows.details, bound_source=ROWS_SOURCE,
                            certify_skipped=f"the rows prove the plan within {enough:.0%} of optimal (the "
                                            f"relaxation: {rel.model.num_vars} variables)")
     first = large and _first_round_predicted(rows) <= ROUNDS_FIRST_MAX_ITERATIONS
     if first:
-        huge = rel.model.num_vars >= HUGE_SKIP_MIN_VARIABLES
         bound, source = more_rows(bound, source, HUGE_ROUNDS_MAX_ITERATIONS if huge else None)
         best = best_cost(known)
         enough = MORE_ROWS_GAP if huge else SKIP_SEARCH_GAP

@@ -296,15 +296,15 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
         return None if time_limit_s is None else max(0.1, time_limit_s - (time.perf_counter() - t0))
 
     def run(rows_: list[Row], integral: bool, rm: RowsModel | None = None,
-            plan_only: bool = False, target: float | None = None, in_round: bool = False,
-            hopeless_under: float | None = None) -> tuple[float, list | None] | None:
+            plan_only: bool = False, target: float | None = None,
+            in_round: bool = False) -> tuple[float, list | None] | None:
         """Solve the model of rows_ (`rm`, where already built), keep its bound and plan (the MILP
         solution's drops, made to fit, not yet refined); (bound, drops or None), or None when it
         proves no fit. plan_only: the MILP searched for a plan below the best one (PLAN_SOLUTIONS).
         target: the MILP stops at its first solution at or under this (cost units).
         in_round: a round's MILP, GENERATION_MAX_NODE_VARIABLES over its variables nodes at most
-        (AFTER_HOPELESS_MAX_NODES after a round stopped as hopeless). hopeless_under: the MILP stops
-        once its root LP is solved with a solution under this (cost units; ROUND_HOPELESS_GAP)."""
+        (AFTER_HOPELESS_MAX_NODES after a round stopped as hopeless), stopped once its root LP is
+        solved with a solution over ROUND_HOPELESS_GAP under the best plan."""
         rm = rm or rows_model(graph, rows_, readers)
         nodes_limit = None
         if integral:
@@ -323,6 +323,7 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             target = max(target or 0.0, incumbent)
 
         stopped = []
+        hopeless_under = (1 - ROUND_HOPELESS_GAP) * best if in_round and math.isfinite(best) else None
 
         def hopeless(check: MipCheck) -> bool:
             out = math.isfinite(check.dual_bound) and check.primal_bound * rm.cost_scale < hopeless_under
@@ -439,10 +440,8 @@ def _search(graph, budget, incumbent, mip_gap, time_limit_s, progress, more_rows
             # its bound counts only above the one known: a solution at or under that one proves it
             # never will be, and is a plan (a bidirectional GRU over 8 steps at half its activation
             # memory: 23 -> 9 s, where the MILP's optimum, 7.273% extra, is under the best row's bound)
-            best = min(found["cost"], incumbent)
             out = run(together, True, rm, plan_only=rm.model.num_vars > GENERATION_MAX_VARIABLES,
-                      target=max(found["bound"], known_bound), in_round=True,
-                      hopeless_under=(1 - ROUND_HOPELESS_GAP) * best if math.isfinite(best) else None)
+                      target=max(found["bound"], known_bound), in_round=True)
             if out is None:
                 return PeakRowsResult(math.inf, None, math.inf, details)
             if out[1] is None:
