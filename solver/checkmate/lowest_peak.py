@@ -218,7 +218,10 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
     # finds the least)
     if len(graph.nodes) <= DESCEND_MAX_NODES and best[0] > bound * (1 + DESCEND_GAP):
         def search(budget):
-            res = certified_search(graph, budget, starts=[])
+            # any plan under `budget` answers a step down (its cost is solve's to lower at the
+            # budget reported): mip_gap 1 ends the search at its first plan, with no MILP after it to
+            # price the plans (a 45-node model with a loss head: 16.8 -> 3.1 s, the same peak and plan)
+            res = certified_search(graph, budget, starts=[], mip_gap=1.0)
             return res.schedule, math.isinf(res.bound)
 
         sched, bound = _descend(graph, best[2].schedule, bound, search)
