@@ -332,9 +332,10 @@ def known_min_feasible_budget(graph: TrainingGraph, *, backend: str = "auto", ma
 
 def _descend(graph: TrainingGraph, best: list[str], bound: int, search, steps: int = 4) -> tuple[list[str], int]:
     """Lower the best peak with `search(budget) -> (schedule or None, proven infeasible)` (the
-    certified search, as `solve` runs it), one byte under the best peak at a time, so that `solve`
-    with the same options finds nothing under the lowest peak this reports; the bound rises to a
-    budget the search proves infeasible."""
+    certified search, as `solve` runs it but ending at its first plan), one byte under the best peak
+    at a time, so that `solve` with the same options finds nothing under the lowest peak this reports
+    (the first plan ends only a search that found one); the bound rises to a budget the search proves
+    infeasible."""
     peak = simulate(graph, best).peak_bytes
     for _ in range(steps):
         if peak - 1 < bound:
