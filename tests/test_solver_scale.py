@@ -258,7 +258,7 @@ def test_no_branching_where_the_root_lp_is_far_under_a_bound_proved_otherwise(mo
     search stops at counts the bound proved otherwise)."""
     from remat.solver.checkmate import certified_search
 
-    g = transformer_like(2, 1)
+    g = transformer_like(1, 1)
     budget = (simulate(g, keep_all_schedule(g)).peak_bytes + equal_spacing.solve(g, 0).predicted_peak_bytes) // 2
     free = certified_search.certified_search(g, budget)
     assert free.details["certify"]["lps"] > 1  # it branches without one
@@ -429,7 +429,7 @@ def test_good_gap_stops_the_branching_once_no_better_plan_comes():
     from remat.solver.checkmate.certified_search import certified_search
     from remat.solver.checkmate.relaxation import Relaxation
 
-    g = transformer_like(2, 1)
+    g = transformer_like(1, 1)
     budget = (simulate(g, keep_all_schedule(g)).peak_bytes + equal_spacing.solve(g, 0).predicted_peak_bytes) // 2
     plan = certified_search(g, budget)
     rel = Relaxation(g, budget)
