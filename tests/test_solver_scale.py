@@ -398,8 +398,12 @@ def test_same_plan_every_time_and_a_time_limit_keeps_the_best_plan():
         lo = equal_spacing.solve(g, 0).predicted_peak_bytes
         return int(lo + 0.3 * (simulate(g, keep_all_schedule(g)).peak_bytes - lo))
 
-    first = checkmate.solve(transformer_like(2, seed=3), budget_of(transformer_like(2, seed=3)))
-    again = checkmate.solve(transformer_like(2, seed=3), budget_of(transformer_like(2, seed=3)))  # a fresh graph
+    # under a work limit that stops the certified search short of its gap (95 LPs, 22.6k simplex
+    # iterations without it): where it stops must not depend on the machine either
+    first = checkmate.solve(transformer_like(2, seed=3), budget_of(transformer_like(2, seed=3)), max_iterations=5_000)
+    again = checkmate.solve(transformer_like(2, seed=3), budget_of(transformer_like(2, seed=3)),  # a fresh graph
+                            max_iterations=5_000)
+    assert first.details["certify"]["stopped_by"] == "work limit"
     assert again.schedule == first.schedule and again.lower_bound == first.lower_bound
     g = encoder_decoder(3, 3, seed=1)
     plan = checkmate.solve(g, budget_of(g), time_limit_s=0.5)
