@@ -81,17 +81,16 @@ class SparseModel:
     def violations(self, x, tol: float = 1e-7) -> list[str]:
         """The rows and variable bounds the point `x` breaks, beyond a relative tolerance (the
         tests' check that a model is a relaxation: every real schedule's point satisfies it)."""
-        starts = self._starts + [len(self._index)]
-        index, value = np.array(self._index, dtype=np.int64), np.array(self._value, float)
         x = np.asarray(x, float)
-        out = []
-        for r in range(self.num_rows):
-            a = float(np.dot(value[starts[r]:starts[r + 1]], x[index[starts[r]:starts[r + 1]]]))
-            lo, hi = self._lo[r], self._hi[r]
-            scale = 1 + max(abs(b) for b in (lo, hi, a) if math.isfinite(b))
-            if a < lo - tol * scale or a > hi + tol * scale:
-                out.append(f"row {r}: {lo} <= {a} <= {hi}")
-        out += [f"var {j}" for j in range(self.num_vars) if not self.lb[j] - 1e-9 <= x[j] <= self.ub[j] + 1e-9]
+        lo, hi = np.array(self._lo, float), np.array(self._hi, float)
+        lengths = np.diff(np.array(self._starts + [len(self._index)], dtype=np.int64))
+        terms = np.array(self._value, float) * x[np.array(self._index, dtype=np.int64)]
+        a = np.bincount(np.repeat(np.arange(self.num_rows), lengths), weights=terms, minlength=self.num_rows)
+        scale = 1 + np.maximum(np.abs(a), np.maximum(np.where(np.isfinite(lo), np.abs(lo), 0),
+                                                      np.where(np.isfinite(hi), np.abs(hi), 0)))
+        broken = np.flatnonzero((a < lo - tol * scale) | (a > hi + tol * scale))
+        out = [f"row {r}: {self._lo[r]} <= {a[r]} <= {self._hi[r]}" for r in broken]
+        out += [f"var {j}" for j in np.flatnonzero(~((np.array(self.lb) - 1e-9 <= x) & (x <= np.array(self.ub) + 1e-9)))]
         return out
 
     def highs(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
