@@ -181,12 +181,13 @@ def test_fused_dropout_module_matches_the_eagerly_fused_model(attention):
     cfg = GPTConfig(**{**CFG, "attn_dropout": 0.1}, attention=attention)
     model, inputs = default_model(cfg), default_inputs(cfg)
     ref = _reference(cfg, "all")
-    keep = run_strategy(model, inputs, "keep_all", None, reference=ref, fused_attention="all")
-    row = run_strategy(model, inputs, "equal_spacing", int(0.85 * keep.measured_peak_bytes), reference=ref,
+    # keep_all's peak, predicted (exact on the CPU): a plan that recomputes is checked, which covers
+    # the same traced step run without recomputation
+    keep = remat.solve(remat.capture(model, inputs, fused_attention="all"), None, solver="keep_all")
+    row = run_strategy(model, inputs, "equal_spacing", int(0.85 * keep.predicted_peak_bytes), reference=ref,
                        fused_attention="all")
     assert row.plan.extra_flops > 0  # something is recomputed, the fused attention included
-    for r in (keep, row):
-        assert r.grads_match and r.max_grad_err == 0.0, (r.strategy, r.max_grad_err)
+    assert row.grads_match and row.max_grad_err == 0.0, row.max_grad_err
     assert row.measured_peak_bytes <= row.budget_bytes
     torch.manual_seed(0)  # the unmodified model's loss with the same seed (reference_step's, without its FLOP count)
     unfused = model(*inputs).detach()
