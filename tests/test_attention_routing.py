@@ -90,9 +90,10 @@ def test_explicit_pattern_is_traced_as_the_fused_op():
 def test_explicit_pattern_module_matches_the_unmodified_model():
     model, inputs, _ = _gpt("explicit")
     ref = reference_step(model, inputs, seed=0)  # eager explicit attention, dropout elsewhere on
-    keep = run_strategy(model, inputs, "keep_all", None, reference=ref)
-    row = run_strategy(model, inputs, "equal_spacing", int(0.8 * keep.measured_peak_bytes), reference=ref)
-    assert keep.grads_match and row.grads_match, (keep.max_grad_err, row.max_grad_err)
+    # keep_all's peak, predicted (exact on the CPU); the plan that recomputes is the one checked
+    keep = remat.solve(remat.capture(model, inputs), None, solver="keep_all")
+    row = run_strategy(model, inputs, "equal_spacing", int(0.8 * keep.predicted_peak_bytes), reference=ref)
+    assert row.plan.recomputed and row.grads_match, row.max_grad_err
     assert row.measured_peak_bytes <= row.budget_bytes
 
 
