@@ -90,7 +90,8 @@ class SparseModel:
                                                       np.where(np.isfinite(hi), np.abs(hi), 0)))
         broken = np.flatnonzero((a < lo - tol * scale) | (a > hi + tol * scale))
         out = [f"row {r}: {self._lo[r]} <= {a[r]} <= {self._hi[r]}" for r in broken]
-        out += [f"var {j}" for j in np.flatnonzero(~((np.array(self.lb) - 1e-9 <= x) & (x <= np.array(self.ub) + 1e-9)))]
+        inside = (np.array(self.lb) - 1e-9 <= x) & (x <= np.array(self.ub) + 1e-9)
+        out += [f"var {j}" for j in np.flatnonzero(~inside)]
         return out
 
     def highs(self, *, integral: bool = False, max_nodes: int | None = None, time_limit_s: float | None = None,
