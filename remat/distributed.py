@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.blockwise import level_plans
+from remat.blockwise import plans_at_levels
 from remat.graph_capture.step_identity import first_equal
 from remat.measure import measure_peak
 from remat.pipeline import PlanOptions, deployed_as, identified_trace
@@ -205,7 +205,8 @@ def _fully_shard_with_remat(model, blocks, example_inputs, budget_bytes, budget_
     first = {fp: next(g for g in graphs if g.fingerprint() == fp) for fp in distinct}
 
     def make() -> list[Plan]:
-        return [p for fp in distinct for p in level_plans(first[fp], levels, solver, time_limit_s, solver_kwargs)]
+        by_graph = plans_at_levels(first, levels, solver, time_limit_s, solver_kwargs)
+        return [p for fp in distinct for p in by_graph[fp]]
 
     flat_plans = broadcast_plans(make, src=solve_on_rank)
     by_graph = {fp: flat_plans[i * levels:(i + 1) * levels] for i, fp in enumerate(distinct)}

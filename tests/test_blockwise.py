@@ -411,9 +411,15 @@ def test_a_block_planned_alike_at_the_level_chosen_is_not_traced_again(monkeypat
         p.grad = None
     budget = int(1.1 * eager)  # room for the MLP blocks' plans above level 0
     deployed, levels = [], []
-    deployed_module, level_plans = pipeline.deployed_module, blockwise.level_plans
+    deployed_module, plans_at_levels = pipeline.deployed_module, blockwise.plans_at_levels
+
+    def recorded(graphs, *a, **k):  # each distinct graph's plans, by level
+        by_graph = plans_at_levels(graphs, *a, **k)
+        levels.extend(by_graph.values())
+        return by_graph
+
     monkeypatch.setattr(pipeline, "deployed_module", lambda b, *a, **k: deployed.append(b) or deployed_module(b, *a, **k))
-    monkeypatch.setattr(blockwise, "level_plans", lambda g, *a, **k: levels.append(level_plans(g, *a, **k)) or levels[-1])
+    monkeypatch.setattr(blockwise, "plans_at_levels", recorded)
     with pytest.warns(remat.BlockwisePlanWarning, match="4 repeated blocks"):
         opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
     level = opt.fit.level
@@ -682,3 +688,36 @@ def test_a_blocks_call_needing_more_than_its_share_is_planned_at_its_smallest_wi
         _train_both(opt, model, ref, [big], budget=2**40)
     assert all(max(p.budget_bytes for p in b.plans) > share for b in opt.blocks)
     _train_both(opt, model, ref, [(x, y)], budget)  # the example's own plan still runs within the step's budget
+
+
+def test_the_levels_of_several_graphs_are_solved_in_one_queue_two_at_a_time(monkeypatch):
+    """plans_at_levels gives each graph level_plans' plans, each budget solved once, with never more
+    than two solves at once (one queue over every graph's budgets, not a queue per graph inside
+    one over the graphs: four at once on two CPUs)."""
+    import threading
+
+    import remat.blockwise as blockwise
+    from tests.conftest import training_chain
+
+    graphs = {f"g{i}": training_chain(8, seed=i) for i in range(3)}
+    alone = {k: blockwise.level_plans(g, 4, "equal_spacing", None, {}) for k, g in graphs.items()}
+    solve, lock, running, most, solved = blockwise.solve, threading.Lock(), [0], [0], []
+
+    def counted(g, b, **k):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            solved.append((g.name, b))
+        try:
+            return solve(g, b, **k)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(blockwise, "solve", counted)
+    together = blockwise.plans_at_levels(graphs, 4, "equal_spacing", None, {})
+    assert {k: [p.schedule for p in ps] for k, ps in together.items()} == \
+        {k: [p.schedule for p in ps] for k, ps in alone.items()}
+    assert sorted(solved) == sorted({(g.name, p.budget_bytes) for g, ps in zip(graphs.values(), alone.values())
+                                     for p in ps})  # each budget once
+    assert most[0] <= 2
