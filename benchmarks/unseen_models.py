@@ -26,7 +26,8 @@ seventh, then Doge and PatchTST with BatchNorm (views of a kernel's output laid 
 dots.llm1 (the slowest at its smallest budget) from an eighth, then FSMT (block by block) and GLM-4-MoE-Lite (the
 slowest at its smallest budget) from a ninth, and X-MOD, JetMoe and SwitchTransformers with every layer sparse (no
 block traces: their parts planned one by one), then LiLT (text and layout) and the decoders slowest at their smallest budgets (Zaya, GLM-MoE-DSA,
-LARA-mini, Qwen3.5) from a tenth: small configs (width 64, 2-3 layers,
+LARA-mini, Qwen3.5) from a tenth, then Nystromformer, GPT-OSS, WavLM and Qwen2-VL from an eleventh:
+small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
 solve), status, extra cost, certified gap, predicted and measured peak (the step's outputs held
@@ -116,6 +117,20 @@ def _models() -> dict:
     speech = torch.randn(B, 4000, generator=g)
     video = torch.randn(B, 4, 3, 32, 32, generator=g)
     seg = torch.randint(0, 5, (B, 32, 32), generator=g)
+
+    def qwen2_vl():  # a 2-layer vision tower (one 16 x 16 picture per sample: 4 tokens) and a decoder
+        m = tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(
+            vision_config=dict(depth=2, embed_dim=W, num_heads=4, hidden_size=W, patch_size=4, spatial_merge_size=2,
+                               temporal_patch_size=2, in_channels=3, mlp_ratio=2),
+            text_config=dict(vocab_size=V + 4, hidden_size=W, intermediate_size=2 * W, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * S,
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+            image_token_id=V, video_token_id=V + 1, vision_start_token_id=V + 2, vision_end_token_id=V + 3))
+        x = ids.clone()
+        x[:, 0], x[:, 1:5], x[:, 5] = V + 2, V, V + 3
+        return m, dict(input_ids=x, pixel_values=torch.randn(B * 16, 3 * 2 * 4 * 4, generator=g),
+                       image_grid_thw=torch.tensor([[1, 4, 4]] * B), mm_token_type_ids=(x == V).long(),
+                       labels=x.masked_fill(x >= V, -100), use_cache=False)
 
     def llama_checkpointed():  # checkpointing its own layers, as gradient_checkpointing_enable() does
         m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2))
@@ -378,6 +393,24 @@ def _models() -> dict:
         "qwen3_5": lambda: (tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
             **common, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
             linear_num_key_heads=2, linear_num_value_heads=4)), lm),
+        # an eleventh round's (17 architectures): Nystromformer, planned block by block (traced whole,
+        # Hugging Face builds a full mask its landmark attention cannot add; eagerly it passes none), the
+        # slowest at half its activation memory; GPT-OSS (attention sinks, experts), the slowest at its
+        # smallest budget; WavLM (gated relative position bias; block by block: its CTC loss checks
+        # `labels.max()`) and Qwen2-VL (its vision tower's variable-length attention; block by block)
+        "nystromformer": lambda: (tf.NystromformerForMaskedLM(tf.NystromformerConfig(
+            **{**common, "max_position_embeddings": S + 4}, segment_means_seq_len=S, num_landmarks=16,
+            conv_kernel_size=9)), dict(input_ids=ids, labels=ids)),
+        "gpt_oss": lambda: (tf.GptOssForCausalLM(tf.GptOssConfig(
+            **common, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=16, pad_token_id=0)), lm),
+        "wavlm": lambda: (tf.WavLMForCTC(tf.WavLMConfig(
+            vocab_size=32, hidden_size=W, num_hidden_layers=3, num_attention_heads=4, intermediate_size=2 * W,
+            conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_feat_extract_layers=3,
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+            ctc_loss_reduction="mean", num_buckets=32, max_bucket_distance=64)),
+            dict(input_values=speech, labels=ids[:, :20] % 31 + 1)),
+        "qwen2_vl": qwen2_vl,
     }
 
 
@@ -391,7 +424,7 @@ MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mam
           "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert", "groupvit",
           "xlstm", "deepseek_v2", "jamba", "llava", "paligemma", "granite_hybrid", "doge", "patchtst_batchnorm",
           "dots1", "fsmt", "glm4_moe_lite", "xmod", "jetmoe", "switch_transformers", "lilt",
-          "zaya", "glm_moe_dsa", "lara_mini", "qwen3_5")
+          "zaya", "glm_moe_dsa", "lara_mini", "qwen3_5", "nystromformer", "gpt_oss", "wavlm", "qwen2_vl")
 
 
 def _loss(out):
