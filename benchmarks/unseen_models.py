@@ -428,6 +428,8 @@ MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mam
 
 
 def _loss(out):
+    if isinstance(out, torch.Tensor) and out.dim() == 0:  # a model returning its loss itself
+        return out
     return out["loss"] if hasattr(out, "keys") else out[0]
 
 
