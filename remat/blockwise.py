@@ -26,8 +26,8 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
 3. **Plans at levels**: every distinct block graph is planned at `levels` budgets, from its
    smallest feasible one (level 0: least memory) to keep_all's peak (no recomputation), the graphs
    and their levels solved two at a time (remat/solving.py `at_once`: Informer 36 -> 23 s), every
-   graph's smallest budget first (`plans_at_levels`: SwitchTransformers, six distinct block graphs,
-   about 30 -> 26 s to optimize).
+   graph's smallest budget first (remat/block_levels.py: SwitchTransformers, six distinct block
+   graphs, about 30 -> 26 s to optimize), each graph's plans remembered for a later call.
    A block is deployed (traced again, its plan lowered) only where no earlier block traced to the
    same step (graph_capture/step_identity.py: the joint graph's code and constants, its inputs'
    layouts, its parameters' names and layouts): such a block runs that block's compiled step with
@@ -82,12 +82,11 @@ from remat.runtime.distributed import BlockProfile, block_profile, fit_block_lev
 from remat.graph_capture.step_identity import StepIdentity, first_equal
 from remat.pipeline import PlanOptions, StepPlanner, deployed_as, identified_trace
 from remat.runtime.module import DEFAULT_CACHE_LIMIT, ModelWrapper, OutsideBudgetWarning, RematModule
-from remat.solver import get_solver
+from remat.block_levels import plans_at_levels
 from remat.core.plan import InfeasibleBudgetError, Plan
-from remat.solving import at_once, smallest_feasible, solve
 
-__all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "level_plans",
-           "plans_at_levels", "plan_blockwise", "DEFAULT_LEVELS", "CALIBRATION_DRAWS"]
+__all__ = ["BlockwiseModule", "BlockwiseFit", "BlockwisePlanWarning", "repeated_blocks", "plan_blockwise",
+           "DEFAULT_LEVELS", "CALIBRATION_DRAWS"]
 
 DEFAULT_LEVELS = 4  # budgets per distinct block graph, from its lowest peak to keep_all's
 CALIBRATION_DRAWS = 4  # random states the calibration step is measured from, at most (4.)
@@ -157,35 +156,6 @@ def _traced(blocks: list[nn.Module], calls: list,
         graphs.append(graph)
         identities.append(identity)
     return graphs, identities, reasons
-
-
-def level_plans(graph: TrainingGraph, levels: int, solver: str, time_limit_s: float | None,
-                solver_kwargs: dict) -> list[Plan]:
-    """Plans for `graph` at `levels` budgets from its smallest feasible one to keep_all's peak (solved
-    two at a time)."""
-    return plans_at_levels({0: graph}, levels, solver, time_limit_s, solver_kwargs)[0]
-
-
-def plans_at_levels(graphs: dict[Any, TrainingGraph], levels: int, solver: str, time_limit_s: float | None,
-                    solver_kwargs: dict) -> dict[Any, list[Plan]]:
-    """level_plans of each graph ({key: graph} -> {key: plans}): the smallest feasible budgets searched
-    two at a time, then every graph's budgets solved in one queue, two at a time, each graph's lowest
-    first (the tightest budget's solve is the slowest: started first, the others fill the second
-    thread around it; one queue, not one per graph inside one over the graphs, keeps two solves at
-    once rather than four on two CPUs)."""
-    lows = at_once({k: (lambda g=g: smallest_feasible(g, solver, time_limit_s, **solver_kwargs))
-                    for k, g in graphs.items()}, solver_kwargs)
-    budgets = {}
-    for k, g in graphs.items():
-        high = max(get_solver("keep_all")(g, None).predicted_peak_bytes, lows[k])
-        budgets[k] = [lows[k] + (high - lows[k]) * j // max(levels - 1, 1) for j in range(levels)]
-    # each budget solved once: a block whose smallest feasible budget is keep_all's peak (a small
-    # one) has the same budget at every level
-    jobs = dict.fromkeys((k, budgets[k][j]) for j in range(levels) for k in graphs)
-    plans = at_once({(k, b): (lambda g=graphs[k], b=b: solve(g, b, solver=solver, time_limit_s=time_limit_s,
-                                                              quiet=True, **solver_kwargs)) for k, b in jobs},
-                    solver_kwargs)
-    return {k: [plans[(k, b)] for b in budgets[k]] for k in graphs}
 
 
 _in_block = contextvars.ContextVar("remat_in_block", default=False)

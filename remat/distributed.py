@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from remat.blockwise import plans_at_levels
+from remat.block_levels import plans_at_levels
 from remat.graph_capture.step_identity import first_equal
 from remat.measure import measure_peak
 from remat.pipeline import PlanOptions, deployed_as, identified_trace

@@ -696,11 +696,12 @@ def test_the_levels_of_several_graphs_are_solved_in_one_queue_two_at_a_time(monk
     one over the graphs: four at once on two CPUs)."""
     import threading
 
-    import remat.blockwise as blockwise
+    import remat.block_levels as blockwise
     from tests.conftest import training_chain
 
     graphs = {f"g{i}": training_chain(8, seed=i) for i in range(3)}
     alone = {k: blockwise.level_plans(g, 4, "equal_spacing", None, {}) for k, g in graphs.items()}
+    blockwise.forget_level_plans()  # each graph's plans solved again below, not remembered
     solve, lock, running, most, solved = blockwise.solve, threading.Lock(), [0], [0], []
 
     def counted(g, b, **k):
@@ -721,3 +722,32 @@ def test_the_levels_of_several_graphs_are_solved_in_one_queue_two_at_a_time(monk
     assert sorted(solved) == sorted({(g.name, p.budget_bytes) for g, ps in zip(graphs.values(), alone.values())
                                      for p in ps})  # each budget once
     assert most[0] <= 2
+
+
+def test_a_graph_equal_to_one_planned_before_gets_its_level_plans_without_a_solve(monkeypatch):
+    """plans_at_levels remembers each graph's plans under its options: an equal graph (traced again,
+    another object) gets them, tied to itself, with nothing solved; other options, another graph, or a
+    wall-clock limit (the plans then depend on the machine's load) are solved."""
+    import remat.block_levels as block_levels
+    from tests.conftest import training_chain
+
+    block_levels.forget_level_plans()
+    solve, solved = block_levels.solve, []
+
+    def counted(g, b, **k):
+        solved.append((g.name, b))
+        return solve(g, b, **k)
+
+    monkeypatch.setattr(block_levels, "solve", counted)
+    first = block_levels.plans_at_levels({"a": training_chain(8, seed=0)}, 4, "equal_spacing", None, {})["a"]
+    assert len(solved) == 4
+    again = training_chain(8, seed=0)  # an equal graph, another object
+    got = block_levels.plans_at_levels({"b": again, "c": training_chain(8, seed=1)}, 4, "equal_spacing", None, {})
+    assert len(solved) == 8  # the new graph's four, none of the equal one's
+    assert [p.schedule for p in got["b"]] == [p.schedule for p in first]
+    assert all(p.graph is again for p in got["b"])
+    block_levels.plans_at_levels({"a": again}, 3, "equal_spacing", None, {})  # other options: solved
+    assert len(solved) == 11
+    block_levels.plans_at_levels({"a": again}, 4, "equal_spacing", 60.0, {})  # a wall-clock limit: solved
+    assert len(solved) == 15
+    block_levels.forget_level_plans()
