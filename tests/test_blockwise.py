@@ -696,13 +696,13 @@ def test_the_levels_of_several_graphs_are_solved_in_one_queue_two_at_a_time(monk
     one over the graphs: four at once on two CPUs)."""
     import threading
 
-    import remat.block_levels as blockwise
+    import remat.block_levels as block_levels
     from tests.conftest import training_chain
 
     graphs = {f"g{i}": training_chain(8, seed=i) for i in range(3)}
-    alone = {k: blockwise.level_plans(g, 4, "equal_spacing", None, {}) for k, g in graphs.items()}
-    blockwise.forget_level_plans()  # each graph's plans solved again below, not remembered
-    solve, lock, running, most, solved = blockwise.solve, threading.Lock(), [0], [0], []
+    alone = {k: block_levels.level_plans(g, 4, "equal_spacing", None, {}) for k, g in graphs.items()}
+    block_levels.forget_level_plans()  # each graph's plans solved again below, not remembered
+    solve, lock, running, most, solved = block_levels.solve, threading.Lock(), [0], [0], []
 
     def counted(g, b, **k):
         with lock:
@@ -715,8 +715,8 @@ def test_the_levels_of_several_graphs_are_solved_in_one_queue_two_at_a_time(monk
             with lock:
                 running[0] -= 1
 
-    monkeypatch.setattr(blockwise, "solve", counted)
-    together = blockwise.plans_at_levels(graphs, 4, "equal_spacing", None, {})
+    monkeypatch.setattr(block_levels, "solve", counted)
+    together = block_levels.plans_at_levels(graphs, 4, "equal_spacing", None, {})
     assert {k: [p.schedule for p in ps] for k, ps in together.items()} == \
         {k: [p.schedule for p in ps] for k, ps in alone.items()}
     assert sorted(solved) == sorted({(g.name, p.budget_bytes) for g, ps in zip(graphs.values(), alone.values())
