@@ -27,7 +27,8 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
    smallest feasible one (level 0: least memory) to keep_all's peak (no recomputation), the graphs
    and their levels solved two at a time (remat/solving.py `at_once`: Informer 36 -> 23 s), every
    graph's smallest budget first (remat/block_levels.py: SwitchTransformers, six distinct block
-   graphs, about 30 -> 26 s to optimize), each graph's plans remembered for a later call.
+   graphs, about 30 -> 26 s to optimize), the levels above the smallest within a 2% gap
+   (`LEVEL_GAP`), each graph's plans remembered for a later call.
    A block is deployed (traced again, its plan lowered) only where no earlier block traced to the
    same step (graph_capture/step_identity.py: the joint graph's code and constants, its inputs'
    layouts, its parameters' names and layouts): such a block runs that block's compiled step with

@@ -33,10 +33,13 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _plans_from_nothing():
     """Each test plans from nothing: the lowest-peak plans checkmate keeps per graph
-    (solver/checkmate/lowest_peak.py) are forgotten before it, so no test reads another's."""
+    (solver/checkmate/lowest_peak.py) and the level plans kept per block graph
+    (remat/block_levels.py) are forgotten before it, so no test reads another's."""
+    from remat.block_levels import forget_level_plans
     from remat.solver.checkmate import lowest_peak
 
     lowest_peak._LOWEST.clear()
+    forget_level_plans()
     yield
 
 

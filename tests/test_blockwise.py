@@ -751,3 +751,31 @@ def test_a_graph_equal_to_one_planned_before_gets_its_level_plans_without_a_solv
     block_levels.plans_at_levels({"a": again}, 4, "equal_spacing", 60.0, {})  # a wall-clock limit: solved
     assert len(solved) == 15
     block_levels.forget_level_plans()
+
+
+@pytest.mark.parametrize("asked", [{}, {"mip_gap": 1e-3}])
+def test_checkmate_proves_the_levels_above_the_smallest_budget_within_the_level_gap(monkeypatch, asked):
+    """checkmate's level solves above each graph's smallest budget get LEVEL_GAP, the one at it the
+    gap asked (none: the default), and a gap the caller asks for goes to every level (two graphs
+    solved in one queue, each solve's options its own graph's)."""
+    import remat.block_levels as block_levels
+    from tests.conftest import training_chain
+
+    block_levels.forget_level_plans()
+    solve, gaps = block_levels.solve, {}
+
+    def recorded(g, b, **k):
+        gaps[g.name, b] = k.get("mip_gap")
+        return solve(g, b, **k)
+
+    monkeypatch.setattr(block_levels, "solve", recorded)
+    graphs = {"a": training_chain(6, seed=0), "b": training_chain(7, seed=1)}
+    by_graph = block_levels.plans_at_levels(graphs, 4, "checkmate", None, dict(asked))
+    for key, plans in by_graph.items():
+        budgets = [p.budget_bytes for p in plans]
+        assert len(set(budgets)) == 4
+        assert [gaps[graphs[key].name, b] for b in budgets] == \
+            [asked.get("mip_gap")] + 3 * [asked.get("mip_gap", block_levels.LEVEL_GAP)]
+        for p, b in zip(plans, budgets):
+            assert p.predicted_peak_bytes <= b
+    block_levels.forget_level_plans()

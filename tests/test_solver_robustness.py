@@ -354,6 +354,32 @@ def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
     assert len(lowest_peak._LOWEST) == lowest_peak.CACHED_PROBLEMS
 
 
+def test_a_search_within_a_tighter_gap_serves_a_solve_asking_a_looser_one(monkeypatch):
+    """The lowest-peak plans searched within the default gap serve a solve within a looser gap (its
+    plans are as valid, its lowest peak as low: remat/block_levels.py solves a block's levels above
+    its smallest budget that way): not searched again; a tighter gap, or other limits, are."""
+    g = training_chain(8, 1)
+    real, calls = lowest_peak.peak_floor, []
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(lowest_peak, "peak_floor", counted)
+    m = checkmate.min_feasible_budget(g)
+    searches = len(calls)
+    assert searches >= 1
+    _fits(g, api.solve(g, m, mip_gap=0.02), m)  # its last fallback reads the search within 1e-4
+    assert len(calls) == searches
+    checkmate.min_feasible_budget(g, mip_gap=0.02)
+    assert len(calls) == searches
+    checkmate.min_feasible_budget(g, mip_gap=1e-6)  # a tighter gap: searched
+    assert len(calls) > searches
+    searches = len(calls)
+    checkmate.min_feasible_budget(g, mip_gap=0.02, max_nodes=7)  # other limits: searched
+    assert len(calls) > searches
+
+
 def test_smallest_budget_is_accepted_when_every_backend_fails(monkeypatch):
     def broken(prob, backend, limits, **kw):
         raise BackendError(f"{backend}: simulated crash")

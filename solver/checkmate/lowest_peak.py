@@ -69,7 +69,8 @@ ROWS_RELIEF_STEPS = 100_000
 # graph's own equality (nodes, bytes, costs, resident bytes, tangents, name; not its meta):
 # min_feasible_budget and solve's last fallback read the same entry, so the budget one reports is a
 # budget the other accepts, whatever the limits; and a model traced again at the same shapes (a
-# budget refused, then asked again at the smallest one the refusal named) is not searched again
+# budget refused, then asked again at the smallest one the refusal named) is not searched again.
+# A search within a tighter gap serves a looser one (`_cached`)
 _LOWEST: OrderedDict = OrderedDict()
 _LOWEST_LOCK = threading.Lock()  # blocks may be planned in threads
 CACHED_PROBLEMS = 8
@@ -114,8 +115,26 @@ def cached_known_fit(graph: TrainingGraph, budget_bytes: int, *, backend: str, c
     """cheapest_known_fit where the lowest-peak search is cached for `graph` and these options (a
     budget at or near the smallest feasible one that search found), else None: nothing is searched."""
     with _LOWEST_LOCK:
-        hit = _LOWEST.get((graph, backend, coarsen_to, limits))
+        hit = _cached((graph, backend, coarsen_to, limits))
     return None if hit is None else _cheapest_fit(graph, hit[1], budget_bytes)
+
+
+def _cached(key: tuple):
+    """The cache's entry for `key` (graph, backend, coarsen_to, limits), else the one searched with
+    the same options but a tighter gap (its plans serve a looser gap as well: each is a schedule as
+    valid, its lowest peak as low or lower; remat/block_levels.py solves the levels above a block's
+    smallest budget within a looser gap than that budget's search), else None; the most recently
+    used entry. Called with _LOWEST_LOCK held."""
+    if key not in _LOWEST:
+        graph, backend, coarsen_to, limits = key
+        asked = limits.mip_gap or 0.0
+        key = next((k for k in reversed(_LOWEST)  # the most recent first
+                    if k[1:3] == (backend, coarsen_to) and (k[3].mip_gap or 0.0) <= asked
+                    and replace(k[3], mip_gap=limits.mip_gap) == limits and k[0] == graph), None)
+        if key is None:
+            return None
+    _LOWEST.move_to_end(key)
+    return _LOWEST[key]
 
 
 def _cheapest_fit(graph: TrainingGraph, known: tuple[KnownPlan, ...],
@@ -147,9 +166,8 @@ def _searched(graph: TrainingGraph, backend: str, coarsen_to: int | None, limits
     extra cost (peak ascending), from the cache or searched and cached."""
     key = (graph, backend, coarsen_to, limits)
     with _LOWEST_LOCK:
-        hit = _LOWEST.get(key)
+        hit = _cached(key)
         if hit is not None:
-            _LOWEST.move_to_end(key)
             return hit
     t0 = time.perf_counter()
     name = default_backend() if backend == "auto" else backend
