@@ -325,11 +325,8 @@ def test_at_the_smallest_budget_the_lowest_peak_plan_stands_in_for_a_cold_milp()
     assert plan.details["refined_from"] == "lowest_peak"
 
 
-def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
-    """A refused budget asked again at the smallest one the refusal named traces the model again:
-    a new graph object equal to the first, whose lowest-peak plan is not searched again. Another
-    graph (one node's cost changed) is."""
-    g = training_chain(8, 1)
+def _lowest_peak_searches(monkeypatch) -> list:
+    """A list that grows by one at each lowest-peak search (each computes the rows' floor once)."""
     real, calls = lowest_peak.peak_floor, []
 
     def counted(*a, **kw):
@@ -337,6 +334,15 @@ def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(lowest_peak, "peak_floor", counted)
+    return calls
+
+
+def test_a_graph_traced_again_reads_the_kept_lowest_peak_plan(monkeypatch):
+    """A refused budget asked again at the smallest one the refusal named traces the model again:
+    a new graph object equal to the first, whose lowest-peak plan is not searched again. Another
+    graph (one node's cost changed) is."""
+    g = training_chain(8, 1)
+    calls = _lowest_peak_searches(monkeypatch)
     m, plan = checkmate.min_feasible_budget(g, return_plan=True)
     again = TrainingGraph.from_json(g.to_json())
     assert again is not g and again == g and hash(again) == hash(g)
@@ -359,13 +365,7 @@ def test_a_search_within_a_tighter_gap_serves_a_solve_asking_a_looser_one(monkey
     plans are as valid, its lowest peak as low: remat/block_levels.py solves a block's levels above
     its smallest budget that way): not searched again; a tighter gap, or other limits, are."""
     g = training_chain(8, 1)
-    real, calls = lowest_peak.peak_floor, []
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(lowest_peak, "peak_floor", counted)
+    calls = _lowest_peak_searches(monkeypatch)
     m = checkmate.min_feasible_budget(g)
     searches = len(calls)
     assert searches >= 1
