@@ -205,8 +205,8 @@ def _fully_shard_with_remat(model, blocks, example_inputs, budget_bytes, budget_
     first = {fp: next(g for g in graphs if g.fingerprint() == fp) for fp in distinct}
 
     def make() -> list[Plan]:
-        by_graph = plans_at_levels(first, levels, solver, time_limit_s, solver_kwargs)
-        return [p for fp in distinct for p in by_graph[fp]]
+        solved = plans_at_levels(first, levels, solver, time_limit_s, solver_kwargs)
+        return [p for fp in distinct for p in solved[fp]]
 
     flat_plans = broadcast_plans(make, src=solve_on_rank)
     by_graph = {fp: flat_plans[i * levels:(i + 1) * levels] for i, fp in enumerate(distinct)}
