@@ -776,6 +776,40 @@ def test_chains_are_priced_lazily_in_the_order_a_full_sort_gives(seed):
     assert any(price[u] > own[u] / g.nodes[u].out_bytes for u in cands)  # the chains do change the order
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_kept_chain_price_is_the_price_searched_anew_while_the_live_values_change(seed):
+    """guided._ChainPrices keeps each chain's price until a value its search looked at becomes live
+    or stops being live (as a round of guided.fit goes through its schedule): at every step, every
+    price it gives is chain_cost's on the live values of that step, and most are not searched again."""
+    from remat.solver.checkmate import guided
+
+    g = random_dag(60, seed)
+    rng = random.Random(seed)
+    live: set[int] = set()
+    prices = guided._ChainPrices(g, live)
+    searched = [0]
+    real = guided.chain_cost
+
+    def counted(*a, **k):
+        searched[0] += 1
+        return real(*a, **k)
+
+    values = [u for u in range(len(g.nodes)) if g.nodes[u].recomputable and g.nodes[u].out_bytes > 0]
+    asked = 0
+    try:
+        guided.chain_cost = counted
+        for _ in range(80):
+            for w in rng.sample(range(len(g.nodes)), 2):  # a step: one value computed, one freed
+                prices.changed(w)
+                (live.discard if w in live else live.add)(w)
+            for u in rng.sample(values, 10):
+                asked += 1
+                assert prices(u) == real(g, u, live), (u, sorted(live))
+    finally:
+        guided.chain_cost = real
+    assert searched[0] < asked / 2
+
+
 @pytest.mark.parametrize("all_plans", [True, False])
 def test_every_plan_made_to_fit_is_exchanged_and_refined_on_graphs_up_to_the_limit(all_plans, monkeypatch):
     """On graphs up to ALL_PLANS_MAX_NODES every distinct plan the rows' MILPs gave, made to fit, is
