@@ -46,9 +46,11 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
     sched: list[str] = []
     backward = False
 
+    is_valid = valid.__getitem__
+
     def ensure(u: int) -> None:
         # (a node whose inputs are all valid, the common case, without the stack)
-        if not valid[u] and all(valid[i] for i in inputs[u]):
+        if not valid[u] and all(map(is_valid, inputs[u])):
             sched.append(names[u])
             valid[u] = True
             again[u] = backward
@@ -64,7 +66,7 @@ def schedule_from_live(graph: TrainingGraph, drops: list[set[int]], prune: bool 
                 again[w] = backward
                 continue
             stack.append((w, True))
-            stack.extend((i, False) for i in inputs[w] if not valid[i])
+            stack.extend([(i, False) for i in inputs[w] if not valid[i]])
 
     for t, v in enumerate(nodes):
         backward = sticky and v.is_backward
