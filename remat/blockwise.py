@@ -48,7 +48,10 @@ goes on; `torch.utils.checkpoint` needs no graph. remat does what per-block chec
    at every level, what each holds until its backward at level 0 or leaves after it (less its
    parameters and input) and, once, the most one adds above that while it runs: a later step may
    run them (LayerDrop draws anew each step; without that, a step dropping fewer layers than the
-   calibration's went over the budget: Hugging Face's TimeSeriesTransformer by 15%).
+   calibration's went over the budget: Hugging Face's TimeSeriesTransformer by 15%). Blocks run as
+   they are (not traceable) count in the draws too, first: one the kept draw did not run adds what
+   its own step on its recorded call peaks at, measured alone (no plan says what it holds; without
+   it Hugging Face's Autoformer, whose LayerDrop'd layers cannot be traced, went 25% over).
    InfeasibleBudgetError when even level 0 does not fit (its `min_feasible_bytes`: that bound).
 5. Calls of other shapes are planned block by block (each block's RematModule plans new calls
    under its level's budget); the whole step's budget is measured for the example inputs only.
@@ -114,7 +117,7 @@ class BlockwiseFit:
     blocks: list[str] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list, repr=False)
     eager_blocks: list[str] = field(default_factory=list)  # blocks that could not be traced either
-    skipped_blocks: list[str] = field(default_factory=list)  # planned blocks the calibration step did not run
+    skipped_blocks: list[str] = field(default_factory=list)  # blocks the calibration step did not run
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -245,11 +248,14 @@ def _measure(module: BlockwiseModule, model: nn.Module, args: tuple, kwargs: dic
 
 
 @contextmanager
-def _calibration_draw(module: BlockwiseModule, model: nn.Module, args: tuple, kwargs: dict, planned: list[bool]):
-    """Measure the step (`_measure`) from the random state, and where it skipped planned blocks
-    (LayerDrop), from up to CALIBRATION_DRAWS - 1 states after it, one draw further each: yields the
-    (peak, calls per block) of the draw that ran the most planned blocks (the first of those), with
-    the random state set to the one it started from; the caller's state is restored after."""
+def _calibration_draw(module: BlockwiseModule, model: nn.Module, args: tuple, kwargs: dict,
+                      planned: list[bool | None]):
+    """Measure the step (`_measure`) from the random state, and where it skipped blocks (LayerDrop),
+    from up to CALIBRATION_DRAWS - 1 states after it, one draw further each: yields the (peak, calls
+    per block) of the draw that skipped the fewest blocks run as they are, then the fewest planned
+    ones (the first of those), with the random state set to the one it started from; the caller's
+    state is restored after. planned[i]: block i is planned (True), run as it is (False), or not
+    called by any forward recorded (None: not counted)."""
     device = cuda_device(model, args, kwargs)
     cuda = [device] if device is not None else []
     with torch.random.fork_rng(devices=cuda):
@@ -257,10 +263,12 @@ def _calibration_draw(module: BlockwiseModule, model: nn.Module, args: tuple, kw
         for _ in range(CALIBRATION_DRAWS):
             state = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda])
             peak, ran = _measure(module, model, args, kwargs)
-            missed = sum(1 for r, p in zip(ran, planned) if p and r == 0)
+            # a skipped block run as it is counts first: no plan says what it holds (_unplanned_bytes)
+            missed = (sum(1 for r, p in zip(ran, planned) if p is False and r == 0),
+                      sum(1 for r, p in zip(ran, planned) if p and r == 0))
             if best is None or missed < best[0]:
                 best = (missed, peak, ran, state)
-            if missed == 0:
+            if missed == (0, 0):
                 break
             torch.rand(())  # the next draw
             for d in cuda:
@@ -269,6 +277,44 @@ def _calibration_draw(module: BlockwiseModule, model: nn.Module, args: tuple, kw
         for d, st in zip(cuda, best[3][1]):
             torch.cuda.set_rng_state(st, d)
         yield best[1], best[2]
+
+
+def _unplanned_bytes(blocks: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]], model: nn.Module,
+                    device: torch.device | None) -> int:
+    """What blocks run as they are (not traceable) that the calibration step did not run add to a
+    step that runs them, at most, as `_absent_bytes` counts planned ones, from measurements of each
+    block alone on its recorded call: its forward's peak with its outputs held (at least what it holds
+    until its backward), its whole step's peak (the forward, then a backward from its outputs' sum:
+    the most it adds while it runs) and its parameters' gradients (what it leaves after). Without it,
+    a step running the layers LayerDrop skipped in the calibration went over the budget (Hugging
+    Face's Autoformer, whose layers cannot be traced: 2.16 MB measured under 1.73 MB)."""
+    from remat.compiled_fit import untouched
+    from remat.measure import measure_peak
+
+    def above(fn) -> int:  # the most bytes fn() allocates above what is live before it
+        before = torch.cuda.memory_allocated(device) if device is not None else 0
+        return measure_peak(fn, device=device or "cpu") - before
+
+    measured = []
+    for block, (a, k) in zip(blocks, calls):
+        held: list = []
+
+        def forward(block=block, a=a, k=k):
+            held.append(block(*a, **k))
+
+        def step():
+            forward()
+            grads = [t for t in pytree.tree_leaves(held.pop()) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if grads:
+                sum(t.float().sum() for t in grads).backward()
+
+        with untouched(model, device):
+            saved = above(forward)
+            held.clear()
+            peak = above(step)
+        kept = sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad)
+        measured.append((BlockProfile(saved_bytes=saved, peak_bytes=max(peak, saved)), 0, kept))
+    return _absent_bytes(measured)
 
 
 def _absent_bytes(absent: Sequence[tuple[BlockProfile, int, int]]) -> int:
@@ -366,7 +412,8 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
     module = BlockwiseModule(model, names, blocks, planned, fit)
     # the step measured from the random state where it runs the most planned blocks (LayerDrop), and
     # every level checked below from that same state
-    with _calibration_draw(module, model, args, kwargs, [ps is not None for ps in per_block]) as (peak, ran):
+    counted = [None if call is None else ps is not None for call, ps in zip(calls, per_block)]
+    with _calibration_draw(module, model, args, kwargs, counted) as (peak, ran):
         fit.calibrated_bytes = fit.measured_bytes = peak
         profiles: list[list[BlockProfile]] = [[block_profile(g, p) for p in ps] for g, ps in zip(graphs, per_block)
                                               if ps is not None]
@@ -376,11 +423,14 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
         planned_graphs = [(g, r) for g, r, ps in zip(graphs, ran, per_block) if ps is not None]
         absent = [(p[0], g.resident_bytes, sum(n.kept_bytes for n in g.nodes))
                   for p, (g, r) in zip(profiles, planned_graphs) if r == 0]
-        fit.skipped_blocks = [n for n, r, ps in zip(names, ran, per_block) if r == 0 and ps is not None]
-        calibrated = fit.calibrated_bytes + _absent_bytes(absent)
+        # blocks run as they are that it did not run: measured alone, their bytes on top as well
+        unplanned = [i for i, (r, c) in enumerate(zip(ran, counted)) if r == 0 and c is False]
+        fit.skipped_blocks = [n for n, r, c in zip(names, ran, counted) if r == 0 and c is not None]
+        calibrated = fit.calibrated_bytes + _absent_bytes(absent) + _unplanned_bytes(
+            [blocks[i] for i in unplanned], [calls[i] for i in unplanned], model, cuda_device(model, args, kwargs))
         if calibrated > budget_bytes:
-            skipped = (f" (and {len(absent)} blocks the calibration step did not run, counted as a later step may "
-                       f"run them)" if absent else "")
+            skipped = (f" (and {len(fit.skipped_blocks)} blocks the calibration step did not run, counted as a later "
+                       f"step may run them)" if fit.skipped_blocks else "")
             raise InfeasibleBudgetError(
                 f"{type(model).__name__}'s step cannot be traced whole, and with its {len(fit.blocks)} repeated "
                 f"blocks at their lowest-memory plans (the rest as it is) it peaks at {calibrated / MIB:.2f} "

@@ -533,6 +533,61 @@ def test_layerdrop_keeps_every_step_under_the_budget():
     _train_both(opt, model, ref, [(x, y)], budget)
 
 
+class ItemDeepBlock(DeepBlock):
+    def forward(self, h):  # `.item()`: cannot be traced, so it runs as it is
+        return h + self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(h))))) / (1 + 0 * h.abs().max().item())
+
+
+class EagerDropNet(nn.Module):
+    """Blocks that trace, then LayerDrop'd blocks that cannot (Hugging Face's Autoformer: its
+    encoder and decoder layers run as they are, its distribution head's projections are planned)."""
+
+    def __init__(self, layerdrop: float = 0.5):
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 5)
+        self.blocks = nn.ModuleList([DeepBlock() for _ in range(2)])
+        self.eager = nn.ModuleList([ItemDeepBlock() for _ in range(4)])
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        for b in self.eager:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            h = b(h)
+        return F.cross_entropy(self.out(h), y)
+
+
+def test_blocks_run_as_they_are_that_the_calibration_skipped_are_counted_in_the_bound():
+    """A block that cannot be traced runs as it is; where LayerDrop skipped it in every calibration
+    draw, what it adds to a step that runs it is measured alone and counted, so that such a step
+    stays under the budget. Before, the draws counted planned blocks only, and the budget named was
+    the calibration step's, under a step running every block (Autoformer: 25% over)."""
+    torch.manual_seed(0)
+    model = EagerDropNet()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(256, 16), torch.randint(0, 5, (256,))
+    model.layerdrop = 0.0
+    every = remat.measure_peak(lambda: model(x, y).backward(), resident=[model, x, y])
+    model.zero_grad(set_to_none=True)
+    model.layerdrop = ref.layerdrop = 0.5
+    torch.manual_seed(0)  # a state whose four draws each skip some of the blocks run as they are
+    with pytest.raises(remat.InfeasibleBudgetError, match="did not run") as e:
+        remat.optimize(model, budget_bytes=every - 1, example_inputs=(x, y), quiet=True)
+    budget = e.value.min_feasible_bytes
+    assert budget >= every
+    torch.manual_seed(0)
+    with pytest.warns(remat.BlockwisePlanWarning, match=r"not run by the calibration step \(.*\): eager"):
+        opt = remat.optimize(model, budget_bytes=budget, example_inputs=(x, y), quiet=True)
+    assert opt.fit.eager_blocks == [f"eager.{i}" for i in range(4)]
+    assert opt.fit.skipped_blocks and all(n.startswith("eager.") for n in opt.fit.skipped_blocks)
+    _train_both(opt, model, ref, [(x, y)] * 4, budget)
+    model.layerdrop = ref.layerdrop = 0.0  # every block run: the case the bound is for
+    _train_both(opt, model, ref, [(x, y)], budget)
+
+
 class InPlaceNet(nn.Module):
     """Writes into each block's output in place (XLM and FlauBERT: `tensor *= mask.unsqueeze(-1)`),
     and cannot be traced whole (an `.item()`)."""
