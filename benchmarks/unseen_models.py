@@ -26,7 +26,8 @@ seventh, then Doge and PatchTST with BatchNorm (views of a kernel's output laid 
 dots.llm1 (the slowest at its smallest budget) from an eighth, then FSMT (block by block) and GLM-4-MoE-Lite (the
 slowest at its smallest budget) from a ninth, and X-MOD, JetMoe and SwitchTransformers with every layer sparse (no
 block traces: their parts planned one by one), then LiLT (text and layout) and the decoders slowest at their smallest budgets (Zaya, GLM-MoE-DSA,
-LARA-mini, Qwen3.5) from a tenth, then Nystromformer, GPT-OSS, WavLM and Qwen2-VL from an eleventh:
+LARA-mini, Qwen3.5) from a tenth, then Nystromformer, GPT-OSS, WavLM and Qwen2-VL from an eleventh, then
+Autoformer (LayerDrop'd layers that cannot be traced, run as they are) from a fourteenth:
 small configs (width 64, 2-3 layers,
 batch 4 of 64 tokens or 32 x 32 pictures), random weights, dropout as configured. A model whose step cannot be traced whole is planned block
 by block (remat/blockwise.py) under BLOCKWISE_SHARE of its eager step's measured peak. Per model: nodes, seconds to optimize (capture, probes,
@@ -411,6 +412,17 @@ def _models() -> dict:
             ctc_loss_reduction="mean", num_buckets=32, max_bucket_distance=64)),
             dict(input_values=speech, labels=ids[:, :20] % 31 + 1)),
         "qwen2_vl": qwen2_vl,
+        # a fourteenth round's: Autoformer, whose encoder and decoder layers cannot be traced (LayerDrop's
+        # `if dropout_probability < self.layerdrop`) and run as they are, its distribution head's
+        # projections planned; a calibration step that skipped layers named a budget a step running
+        # them broke by 25%
+        "autoformer": lambda: (tf.AutoformerForPrediction(tf.AutoformerConfig(
+            prediction_length=8, context_length=16, lags_sequence=[1, 2, 3], d_model=32, encoder_layers=2,
+            decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, num_time_features=1, input_size=1)),
+            dict(past_values=torch.randn(B, 19, generator=g), past_time_features=torch.randn(B, 19, 1, generator=g),
+                 past_observed_mask=torch.ones(B, 19), future_values=torch.randn(B, 8, generator=g),
+                 future_time_features=torch.randn(B, 8, 1, generator=g))),
     }
 
 
@@ -424,7 +436,8 @@ MODELS = ("whisper", "wav2vec2", "clip", "vit_mae", "funnel", "mobilebert", "mam
           "blip", "vilt", "dpt", "zamba2", "pegasus_x", "swin2sr", "time_series_transformer", "flaubert", "groupvit",
           "xlstm", "deepseek_v2", "jamba", "llava", "paligemma", "granite_hybrid", "doge", "patchtst_batchnorm",
           "dots1", "fsmt", "glm4_moe_lite", "xmod", "jetmoe", "switch_transformers", "lilt",
-          "zaya", "glm_moe_dsa", "lara_mini", "qwen3_5", "nystromformer", "gpt_oss", "wavlm", "qwen2_vl")
+          "zaya", "glm_moe_dsa", "lara_mini", "qwen3_5", "nystromformer", "gpt_oss", "wavlm", "qwen2_vl",
+          "autoformer")
 
 
 def _loss(out):
