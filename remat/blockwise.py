@@ -118,6 +118,8 @@ class BlockwiseFit:
     plans: list[Plan] = field(default_factory=list, repr=False)
     eager_blocks: list[str] = field(default_factory=list)  # blocks that could not be traced either
     skipped_blocks: list[str] = field(default_factory=list)  # blocks the calibration step did not run
+    # of those, blocks run as they are that raised when run alone: not counted in the bound
+    unmeasured_blocks: list[str] = field(default_factory=list)
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -280,14 +282,15 @@ def _calibration_draw(module: BlockwiseModule, model: nn.Module, args: tuple, kw
 
 
 def _unplanned_bytes(blocks: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]], model: nn.Module,
-                    device: torch.device | None) -> int:
+                    device: torch.device | None) -> tuple[int, list[int]]:
     """What blocks run as they are (not traceable) that the calibration step did not run add to a
     step that runs them, at most, as `_absent_bytes` counts planned ones, from measurements of each
     block alone on its recorded call: its forward's peak with its outputs held (at least what it holds
     until its backward), its whole step's peak (the forward, then a backward from its outputs' sum:
     the most it adds while it runs) and its parameters' gradients (what it leaves after). Without it,
     a step running the layers LayerDrop skipped in the calibration went over the budget (Hugging
-    Face's Autoformer, whose layers cannot be traced: 2.16 MB measured under 1.73 MB)."""
+    Face's Autoformer, whose layers cannot be traced: 2.16 MB measured under 1.73 MB). Returns the
+    bytes and the positions of the blocks that raised when run alone (not counted: the caller says so)."""
     from remat.compiled_fit import untouched
     from remat.measure import measure_peak
 
@@ -295,8 +298,8 @@ def _unplanned_bytes(blocks: Sequence[nn.Module], calls: Sequence[tuple[tuple, d
         before = torch.cuda.memory_allocated(device) if device is not None else 0
         return measure_peak(fn, device=device or "cpu") - before
 
-    measured = []
-    for block, (a, k) in zip(blocks, calls):
+    measured, failed = [], []
+    for i, (block, (a, k)) in enumerate(zip(blocks, calls)):
         held: list = []
 
         def forward(block=block, a=a, k=k):
@@ -308,13 +311,19 @@ def _unplanned_bytes(blocks: Sequence[nn.Module], calls: Sequence[tuple[tuple, d
             if grads:
                 sum(t.float().sum() for t in grads).backward()
 
-        with untouched(model, device):
-            saved = above(forward)
+        try:
+            with untouched(model, device):
+                saved = above(forward)
+                held.clear()
+                peak = above(step)
+        except Exception:  # noqa: BLE001 - a block that runs only inside its model's forward: said in the warning
+            failed.append(i)
+            continue
+        finally:
             held.clear()
-            peak = above(step)
         kept = sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad)
         measured.append((BlockProfile(saved_bytes=saved, peak_bytes=max(peak, saved)), 0, kept))
-    return _absent_bytes(measured)
+    return _absent_bytes(measured), failed
 
 
 def _absent_bytes(absent: Sequence[tuple[BlockProfile, int, int]]) -> int:
@@ -426,8 +435,10 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
         # blocks run as they are that it did not run: measured alone, their bytes on top as well
         unplanned = [i for i, (r, c) in enumerate(zip(ran, counted)) if r == 0 and c is False]
         fit.skipped_blocks = [n for n, r, c in zip(names, ran, counted) if r == 0 and c is not None]
-        calibrated = fit.calibrated_bytes + _absent_bytes(absent) + _unplanned_bytes(
-            [blocks[i] for i in unplanned], [calls[i] for i in unplanned], model, cuda_device(model, args, kwargs))
+        unplanned_bytes, failed = _unplanned_bytes([blocks[i] for i in unplanned], [calls[i] for i in unplanned],
+                                                   model, cuda_device(model, args, kwargs))
+        fit.unmeasured_blocks = [names[unplanned[j]] for j in failed]
+        calibrated = fit.calibrated_bytes + _absent_bytes(absent) + unplanned_bytes
         if calibrated > budget_bytes:
             skipped = (f" (and {len(fit.skipped_blocks)} blocks the calibration step did not run, counted as a later "
                        f"step may run them)" if fit.skipped_blocks else "")
@@ -450,6 +461,9 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
     cause = str(error).splitlines()
     skipped = ("; not run by the calibration step (counted in the bound, as a later step may run them): "
                + _names(fit.skipped_blocks)) if fit.skipped_blocks else ""
+    if fit.unmeasured_blocks:
+        skipped += ("; of those, these raised when run alone on their recorded calls, so what they add is not in the "
+                    "bound and a step running them can peak over the budget: " + _names(fit.unmeasured_blocks))
     warnings.warn(BlockwisePlanWarning(
         f"{type(model).__name__}'s training step cannot be traced whole ({cause[0].split(': ', 1)[-1]}"
         f"{'; ' + cause[1].strip() if len(cause) > 1 else ''}): remat planned its {len(fit.blocks)} repeated "

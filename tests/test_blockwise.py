@@ -588,6 +588,42 @@ def test_blocks_run_as_they_are_that_the_calibration_skipped_are_counted_in_the_
     _train_both(opt, model, ref, [(x, y)], budget)
 
 
+class InsideOnlyBlock(ItemDeepBlock):
+    def forward(self, h):  # runs only inside its model's forward, which sets `inside`
+        if not getattr(self, "inside", False):
+            raise RuntimeError("called outside the model")
+        return super().forward(h)
+
+
+class InsideOnlyNet(EagerDropNet):
+    def __init__(self):
+        super().__init__()
+        self.eager = nn.ModuleList([InsideOnlyBlock() for _ in range(4)])
+
+    def forward(self, x, y):
+        for b in self.eager:
+            b.inside = True
+        try:
+            return super().forward(x, y)
+        finally:
+            for b in self.eager:
+                b.inside = False
+
+
+def test_a_skipped_block_that_cannot_run_alone_is_named_in_the_warning():
+    """A block run as it is that the calibration skipped, and that raises when run alone on its
+    recorded call, is not measured: the plan is still made, and the warning says that a step running
+    it can go over the budget (rather than the call failing, or the bound silently leaving it out)."""
+    torch.manual_seed(0)
+    model = InsideOnlyNet()
+    x, y = torch.randn(256, 16), torch.randint(0, 5, (256,))
+    torch.manual_seed(0)  # as above: every draw skips some of the blocks run as they are
+    with pytest.warns(remat.BlockwisePlanWarning, match="raised when run alone on their recorded calls") as w:
+        opt = remat.optimize(model, budget_bytes=2 ** 30, example_inputs=(x, y), quiet=True)
+    assert opt.fit.unmeasured_blocks and set(opt.fit.unmeasured_blocks) <= set(opt.fit.skipped_blocks)
+    assert all(n in str(w[0].message) for n in opt.fit.unmeasured_blocks)
+
+
 class InPlaceNet(nn.Module):
     """Writes into each block's output in place (XLM and FlauBERT: `tensor *= mask.unsqueeze(-1)`),
     and cannot be traced whole (an `.item()`)."""
