@@ -11,13 +11,21 @@ from remat.core.plan import Plan
 from remat.core.training_graph import Node, TrainingGraph
 from remat.solver.checkmate.peak_rows import peak_rows_search
 
-__all__ = ["HEAD_SHARE", "routable_log_softmaxes", "head_worth_tracing", "may_cost_less", "has_chunked_head",
-           "loss_head_of", "head_added", "plan_head"]
+__all__ = ["HEAD_SHARE", "HEAD_BUFFERS", "SMALLEST_SHARE", "routable_log_softmaxes", "head_worth_tracing",
+           "head_may_lower_smallest", "may_cost_less", "has_chunked_head", "loss_head_of", "head_added", "plan_head"]
 
 # "auto" traces the chunked head beside a plan that fits only where the model's head holds a
 # log-softmax of at least this share of the budget: below it the second trace costs more than the
 # head's bytes could save
 HEAD_SHARE = 0.01
+# Where no plan of the model's head fits, its chunked head is traced and searched for a smaller
+# smallest budget only where it could give one: the chunked op holds none of the head's logits,
+# log-softmax and their gradients (each at most the log-softmax's bytes, HEAD_BUFFERS of them), so
+# it lowers the peak by at most that; under SMALLEST_SHARE of the budget (the lowest-peak search's
+# resolution, solver/checkmate/peak_bisection.py PEAK_RESOLUTION) it cannot lower it at all.
+# LayoutLMv3 for sequence classification (10 labels): its chunked head's search was half of 34 s.
+HEAD_BUFFERS = 4
+SMALLEST_SHARE = 1e-3
 
 
 # what the router follows from a linear's logits to the loss (loss_head/router.py: casts, contiguous
@@ -56,6 +64,13 @@ def head_worth_tracing(graph: TrainingGraph, budget: int) -> bool:
     big enough (HEAD_SHARE of the budget) for the chunked head to be worth a second trace."""
     sizes = [n.out_bytes for n in routable_log_softmaxes(graph)]
     return bool(sizes) and max(sizes) >= HEAD_SHARE * budget
+
+
+def head_may_lower_smallest(graph: TrainingGraph, budget: int) -> bool:
+    """Whether the chunked head could have a smaller smallest feasible budget than `graph` (the
+    model's head) by more than SMALLEST_SHARE of `budget` (see HEAD_BUFFERS)."""
+    sizes = [n.out_bytes for n in routable_log_softmaxes(graph)]
+    return bool(sizes) and HEAD_BUFFERS * max(sizes) >= SMALLEST_SHARE * budget
 
 
 def may_cost_less(graph: TrainingGraph, budget: int, total: float) -> bool:

@@ -91,8 +91,8 @@ from remat.graph_capture.step_identity import StepIdentity
 from remat.graph_capture.rng_replay import step_device_type
 from remat.core.training_graph import TrainingGraph
 from remat.deployment import plan_context, rejudge
-from remat.head_choice import (has_chunked_head, head_added, head_worth_tracing, loss_head_of, may_cost_less, plan_head,
-                               routable_log_softmaxes)
+from remat.head_choice import (has_chunked_head, head_added, head_may_lower_smallest, head_worth_tracing, loss_head_of,
+                               may_cost_less, plan_head, routable_log_softmaxes)
 from remat.runtime.compile import PlannedGraphs
 from remat.runtime.module import (DEFAULT_CACHE_LIMIT, BlockBudgetWarning, PlannedStep, PlanRecord, RematModule, call_key, describe_key,
                                   model_device_types)
@@ -535,7 +535,10 @@ class StepPlanner:
         # None also where the router took no head: the same step as the model's, not solved again;
         # not traced where the model's graph shows no head the router could take (DPT's pixel-wise
         # loss: ~3 s)
-        routable = False not in traced or bool(routable_log_softmaxes(traced[False]))
+        # nor where none fits and the chunked head could not lower the smallest budget (a classifier's
+        # few labels: head_choice.HEAD_BUFFERS)
+        routable = False not in traced or bool(routable_log_softmaxes(traced[False])) and (
+            plain is not None or head_may_lower_smallest(traced[False], limit))
         chunked = fitting(True, to_beat=None if plain is None else plain.plan.total_cost) if routable else None
         if plain is None and chunked is None:
             # neither fits: the smallest budget either head reaches, searched now on the graphs

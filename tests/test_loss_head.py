@@ -391,10 +391,10 @@ class Wide(nn.Module):
     """Six wide tanh layers (big activations) under a linear head of `classes` classes and a
     cross-entropy."""
 
-    def __init__(self, classes: int):
+    def __init__(self, classes: int, width: int = 64):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
-        self.head = nn.Linear(64, classes)
+        self.layers = nn.ModuleList(nn.Linear(64 if i == 0 else width, width) for i in range(6))
+        self.head = nn.Linear(width, classes)
 
     def forward(self, x, y):
         for layer in self.layers:
@@ -625,6 +625,32 @@ def test_under_both_heads_smallest_budgets_each_head_is_traced_once_and_the_smal
     assert smallest_feasible(plain, "checkmate") > want
     opt = remat.optimize(model, budget_bytes=want, example_inputs=args, quiet=True)
     assert opt.plan.predicted_peak_bytes <= want and solved == [True] and opt.plan.details["loss_head"] == "chunked"
+
+
+def test_under_the_smallest_budget_a_head_too_small_to_lower_it_is_not_traced(monkeypatch):
+    """Under a budget the model's head does not fit, a chunked head whose log-softmax is too small to
+    lower the smallest budget (HEAD_BUFFERS times its bytes under SMALLEST_SHARE of the budget: a
+    classifier's few labels) is neither traced nor searched: the model's head's smallest budget is
+    named. With a vocabulary's head (the test above) both are."""
+    import remat.pipeline as pipeline
+    from remat.head_choice import HEAD_BUFFERS, SMALLEST_SHARE, routable_log_softmaxes
+    from remat.solving import smallest_feasible
+
+    torch.manual_seed(0)
+    model, args = Wide(3, width=1024), (torch.randn(256, 64), torch.randint(0, 3, (256,)))
+    plain = remat.capture(model, args, quiet=True)
+    want = smallest_feasible(plain, "checkmate")
+    floor = plain.resident_bytes + sum(v.kept_bytes for v in plain.nodes)
+    budget = min(floor, want - 1)
+    (log_softmax,) = routable_log_softmaxes(plain)
+    assert HEAD_BUFFERS * log_softmax.out_bytes < SMALLEST_SHARE * budget
+    heads = []
+    real_step = pipeline.planned_step
+    monkeypatch.setattr(pipeline, "planned_step", lambda *a, chunked=False, **k: heads.append(chunked) or real_step(
+        *a, chunked=chunked, **k))
+    with pytest.raises(remat.InfeasibleBudgetError) as e:
+        remat.optimize(model, budget_bytes=budget, example_inputs=args, quiet=True)
+    assert heads == [False] and e.value.min_feasible_bytes == want
 
 
 def test_the_heads_smallest_budgets_are_searched_at_once_in_the_callers_context(monkeypatch):
