@@ -419,8 +419,8 @@ def plan_blockwise(model: nn.Module, args: tuple, kwargs: dict, options: PlanOpt
                        measured_bytes=0, blocks=[n for n, ps in zip(names, per_block) if ps is not None],
                        eager_blocks=[n for n, ps in zip(names, per_block) if ps is None])
     module = BlockwiseModule(model, names, blocks, planned, fit)
-    # the step measured from the random state where it runs the most planned blocks (LayerDrop), and
-    # every level checked below from that same state
+    # the step measured from the random state where it skips the fewest blocks (LayerDrop), and every
+    # level checked below from that same state
     counted = [None if call is None else ps is not None for call, ps in zip(calls, per_block)]
     with _calibration_draw(module, model, args, kwargs, counted) as (peak, ran):
         fit.calibrated_bytes = fit.measured_bytes = peak
