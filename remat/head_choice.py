@@ -59,18 +59,23 @@ def routable_log_softmaxes(graph: TrainingGraph) -> list[Node]:
     return [n for n in graph.nodes if not n.is_backward and n.op.startswith("_log_softmax") and from_linear(n)]
 
 
+def _largest_head_bytes(graph: TrainingGraph) -> int:
+    """The bytes of the largest log-softmax the router can take in `graph` (0: none)."""
+    return max((n.out_bytes for n in routable_log_softmaxes(graph)), default=0)
+
+
 def head_worth_tracing(graph: TrainingGraph, budget: int) -> bool:
     """Whether `graph` (the model's head) has a cross-entropy the router can take whose log-softmax is
     big enough (HEAD_SHARE of the budget) for the chunked head to be worth a second trace."""
-    sizes = [n.out_bytes for n in routable_log_softmaxes(graph)]
-    return bool(sizes) and max(sizes) >= HEAD_SHARE * budget
+    largest = _largest_head_bytes(graph)
+    return largest > 0 and largest >= HEAD_SHARE * budget
 
 
 def head_may_lower_smallest(graph: TrainingGraph, budget: int) -> bool:
-    """Whether the chunked head could have a smaller smallest feasible budget than `graph` (the
-    model's head) by more than SMALLEST_SHARE of `budget` (see HEAD_BUFFERS)."""
-    sizes = [n.out_bytes for n in routable_log_softmaxes(graph)]
-    return bool(sizes) and HEAD_BUFFERS * max(sizes) >= SMALLEST_SHARE * budget
+    """Whether `graph` (the model's head) has a head the router can take whose chunked trace could
+    have a smaller smallest feasible budget by more than SMALLEST_SHARE of `budget` (see HEAD_BUFFERS)."""
+    largest = _largest_head_bytes(graph)
+    return largest > 0 and HEAD_BUFFERS * largest >= SMALLEST_SHARE * budget
 
 
 def may_cost_less(graph: TrainingGraph, budget: int, total: float) -> bool:

@@ -537,8 +537,8 @@ class StepPlanner:
         # loss: ~3 s)
         # nor where none fits and the chunked head could not lower the smallest budget (a classifier's
         # few labels: head_choice.HEAD_BUFFERS)
-        routable = False not in traced or (bool(routable_log_softmaxes(traced[False])) and (
-            plain is not None or head_may_lower_smallest(traced[False], limit)))
+        routable = False not in traced or (bool(routable_log_softmaxes(traced[False])) if plain is not None
+                                           else head_may_lower_smallest(traced[False], limit))
         chunked = fitting(True, to_beat=None if plain is None else plain.plan.total_cost) if routable else None
         if plain is None and chunked is None:
             # neither fits: the smallest budget either head reaches, searched now on the graphs

@@ -494,13 +494,15 @@ class LayerDropNet(nn.Module):
         self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 5)
         self.blocks = nn.ModuleList([DeepBlock() for _ in range(blocks)])
 
-    def forward(self, x, y):
-        h = self.inp(x)
-        for b in self.blocks:
+    def dropping(self, h, blocks):  # each block skipped with probability `layerdrop`
+        for b in blocks:
             if self.training and torch.rand([]) < self.layerdrop:
                 continue
             h = b(h)
-        return F.cross_entropy(self.out(h), y)
+        return h
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.out(self.dropping(self.inp(x), self.blocks)), y)
 
 
 def test_layerdrop_keeps_every_step_under_the_budget():
@@ -538,26 +540,19 @@ class ItemDeepBlock(DeepBlock):
         return h + self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(h))))) / (1 + 0 * h.abs().max().item())
 
 
-class EagerDropNet(nn.Module):
+class EagerDropNet(LayerDropNet):
     """Blocks that trace, then LayerDrop'd blocks that cannot (Hugging Face's Autoformer: its
     encoder and decoder layers run as they are, its distribution head's projections are planned)."""
 
     def __init__(self, layerdrop: float = 0.5):
-        super().__init__()
-        self.layerdrop = layerdrop
-        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 5)
-        self.blocks = nn.ModuleList([DeepBlock() for _ in range(2)])
+        super().__init__(layerdrop, blocks=2)
         self.eager = nn.ModuleList([ItemDeepBlock() for _ in range(4)])
 
     def forward(self, x, y):
         h = self.inp(x)
         for b in self.blocks:
             h = b(h)
-        for b in self.eager:
-            if self.training and torch.rand([]) < self.layerdrop:
-                continue
-            h = b(h)
-        return F.cross_entropy(self.out(h), y)
+        return F.cross_entropy(self.out(self.dropping(h, self.eager)), y)
 
 
 def test_blocks_run_as_they_are_that_the_calibration_skipped_are_counted_in_the_bound():
